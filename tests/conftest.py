@@ -1,0 +1,11 @@
+"""Shared pytest set-up: one torch thread (the CI box has 2 shared cores) and offline Hugging Face."""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+import torch  # noqa: E402
+
+torch.set_num_threads(1)

@@ -1,0 +1,79 @@
+"""Typed messages the engine hands back to its callers (the offline LLM and the HTTP server).
+
+Every yield of a request's stream is a `RequestOutput` carrying only what is new since the previous
+yield (deltas), so streaming and non-streaming callers read the same messages; `LLM.generate`
+accumulates them.
+"""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)  # (token_id, logprob), best first
+
+
+@dataclass
+class CompletionOutput:
+    """One choice of a request (index i of n). Token ids, text and logprobs are deltas."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None  # stop | length | cancelled | error
+    stop_reason: str | int | None = None  # matched stop string or stop token id
+    error: str | None = None
+
+
+@dataclass
+class Timing:
+    """Wall-clock instants (time.monotonic()) of the request's life."""
+
+    queued: float = 0.0
+    first_token: float | None = None
+    finished: float | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    outputs: list[CompletionOutput]
+    prompt_token_ids: list[int]
+    finished: bool = False
+    seq_id: str | None = None  # the persistent sequence this request ran on, if any
+    timing: Timing = field(default_factory=Timing)
+    num_generated: int = 0  # total generated tokens so far over all choices (for usage)
+
+
+@dataclass
+class SequenceInfo:
+    """A persistent sequence as seen from outside the engine."""
+
+    seq_id: str
+    length: int
+    token_ids: list[int]
+    status: str  # idle | running | waiting
+    parent: str | None
+    n_cached: int  # tokens of this sequence that currently have cells
+    cells_owned: int  # cells this sequence has a claim on
+    cells_shared: int  # of those, cells also owned by another sequence
+    created: float
+    last_used: float
+
+
+@dataclass
+class EngineStats:
+    n_cells: int
+    cells_used: int
+    cells_free: int
+    read_len: int
+    running: int
+    waiting: int
+    idle_sequences: int
+    preemptions: int
+    generated_tokens: int
+    prompt_tokens: int
+    steps: int

@@ -28,18 +28,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from engine.errors import InvalidRequest
+
 MAX_LOGPROBS = 20
 MAX_N = 64
 GREEDY_EPS = 1e-5
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # the range torch.Generator.manual_seed accepts
 
 
-class SamplingError(ValueError):
-    """A sampling parameter is invalid. `param` names the field (the HTTP layer maps this to a 400)."""
+class SamplingError(InvalidRequest, ValueError):
+    """A sampling parameter is invalid. `param` names the field; as an `InvalidRequest` it maps to a 400."""
 
     def __init__(self, param: str, message: str):
-        super().__init__(f"{param}: {message}")
-        self.param = param
+        super().__init__(f"{param}: {message}", param=param)
 
 
 def _number(name: str, value, lo: float, hi: float, *, lo_open: bool = False) -> float:
@@ -190,17 +191,21 @@ def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -
     return g
 
 
-def finish_reason(params: SamplingParams, token_id: int, num_generated: int,
-                  eos_token_ids: Sequence[int] = ()) -> str | None:
+def check_stop_token(params: SamplingParams, token_id: int, num_generated: int,
+                     eos_token_ids: Sequence[int] = ()) -> tuple[str, int | None] | None:
     """Token-level stop check after `token_id` became the `num_generated`-th output token.
 
-    Returns "stop" for EOS (unless ignore_eos) or a stop_token_id, "length" at max_tokens, else None.
-    Stop *strings* are the detokenizer's job (engine/detok.py).
+    Returns (finish_reason, stop_reason) as in vLLM: ("stop", token_id) for a stop_token_id, ("stop", None)
+    for EOS (unless ignore_eos), ("length", None) at max_tokens, else None (keep going). A stop or EOS
+    token stays in the output token ids but its text should not be pushed to the detokenizer. Stop
+    *strings* are the detokenizer's job (engine/detok.py).
     """
-    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
-        return "stop"
+    if token_id in params.stop_token_ids:
+        return "stop", token_id
+    if not params.ignore_eos and token_id in eos_token_ids:
+        return "stop", None
     if num_generated >= params.max_tokens:
-        return "length"
+        return "length", None
     return None
 
 

@@ -1,0 +1,17 @@
+"""`cellserve bench serve`: a client-side load generator for any OpenAI-compatible server.
+
+It targets cellserve, llama.cpp's `llama-server`, `transformers serve`, vLLM or SGLang alike: it
+only speaks HTTP (httpx) and never imports torch or `engine/`. Modules, one concern each:
+
+- `records`   the per-request record every measurement is computed from
+- `sse`       a small server-sent-events decoder
+- `workloads` prompt generators (random, shared-prefix, fork-tree)
+- `arrivals`  Poisson / gamma inter-arrival gaps for open-loop runs
+- `client`    one streamed request -> one record
+- `forktree`  cellserve's stateful-sequence workload (create, fork, continue, delete)
+- `runner`    closed-loop and open-loop drivers with a live progress bar
+- `metrics`   TTFT / TPOT / ITL / E2E statistics, throughput, goodput, errors
+- `report`    the summary table and the JSON results file
+- `plots`     PNG charts (matplotlib, Agg)
+- `serve`     the command line: `main(argv)` and `add_parser(subparsers)`
+"""

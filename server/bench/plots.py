@@ -1,0 +1,80 @@
+"""PNG charts of a run (matplotlib, Agg backend, so no display is needed).
+
+- `throughput.png`: request and output-token throughput against the swept variable (concurrency for
+  closed loop, request rate for open loop); a single level gives a single point.
+- `ttft_cdf.png`, `e2el_cdf.png`: empirical CDFs of TTFT and end-to-end latency, one line per level.
+Skipped levels and levels without successful requests are left out of the charts.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt
+
+from server.bench.metrics import Summary
+from server.bench.runner import LevelResult
+
+
+def _x_value(res: LevelResult) -> float:
+    lv = res.level
+    if lv.request_rate is None:
+        return float(lv.concurrency or 1)
+    return lv.request_rate if math.isfinite(lv.request_rate) else float("nan")
+
+
+def plot_throughput(results: list[LevelResult], summaries: list[Summary | None], path: Path) -> None:
+    pairs = [(_x_value(r), s) for r, s in zip(results, summaries) if s is not None]
+    open_loop = any(r.level.request_rate is not None for r in results)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    xs = [x for x, _ in pairs]
+    ax.plot(xs, [s.output_throughput for _, s in pairs], "o-", color="tab:blue", label="output tok/s")
+    ax.set_xlabel("request rate (req/s)" if open_loop else "concurrency (users)")
+    ax.set_ylabel("output tokens / s", color="tab:blue")
+    ax2 = ax.twinx()
+    ax2.plot(xs, [s.request_throughput for _, s in pairs], "s--", color="tab:orange", label="req/s")
+    ax2.set_ylabel("requests / s", color="tab:orange")
+    if not open_loop and len(xs) > 1 and min(xs) > 0:
+        ax.set_xscale("log", base=2)
+    ax.set_title("throughput")
+    ax.grid(True, alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_cdf(results: list[LevelResult], metric: str, path: Path) -> None:
+    """Empirical CDF of `metric` ('ttft' or 'latency') in ms over successful requests, per level."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for res in results:
+        values = sorted(getattr(r, metric) * 1000.0 for r in res.records
+                        if r.ok and getattr(r, metric) is not None)
+        if not values:
+            continue
+        ys = [(i + 1) / len(values) for i in range(len(values))]
+        ax.step(values, ys, where="post", label=res.level.label())
+    ax.set_xlabel(f"{'TTFT' if metric == 'ttft' else 'end-to-end latency'} (ms)")
+    ax.set_ylabel("fraction of requests")
+    ax.set_ylim(0, 1.02)
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize="small")
+    ax.set_title(f"{'TTFT' if metric == 'ttft' else 'E2E latency'} CDF")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def write_plots(results: list[LevelResult], summaries: list[Summary | None], out_dir: str | Path) -> list[Path]:
+    """Write all charts into `out_dir` (created if needed); returns the files written."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [out / "throughput.png", out / "ttft_cdf.png", out / "e2el_cdf.png"]
+    plot_throughput(results, summaries, paths[0])
+    plot_cdf(results, "ttft", paths[1])
+    plot_cdf(results, "latency", paths[2])
+    return paths

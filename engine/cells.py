@@ -1,0 +1,292 @@
+"""The cell cache: one pool of per-token KV cells shared by every sequence.
+
+A *cell* holds one token's K and V for every layer, that token's position, and the set of sequence
+slots that own it. A cell is free iff nobody owns it. Sequences need not be contiguous: a token
+claims the lowest free cell, forks share cells (`seq_cp`), removals drop claims (`seq_rm`) and a
+cell frees when its last owner leaves. Semantics follow llama.cpp's unified KV cells and the
+ExecuTorch `CellReferenceCache`.
+
+`CellCache` is also a `transformers.cache_utils.Cache`, so an unmodified Hugging Face model writes
+into and reads from the pool: `begin_step` plans a forward (claims cells, computes what each query
+token may see) *before* the model runs, because transformers 5.x gives `update()` no positions.
+Every layer then scatters its K/V into the claimed cells and reads back the read window.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+DEFAULT_MAX_SEQS = 256
+
+
+class CellCacheError(RuntimeError):
+    """The cache was used in a way its contract forbids; the message says how to fix the call."""
+
+
+class CacheFull(CellCacheError):
+    """A step needs more free cells than the pool has. Raised before anything is claimed."""
+
+    def __init__(self, needed: int, free: int):
+        super().__init__(
+            f"step needs {needed} free cells but only {free} are free; "
+            "remove sequences (seq_rm), run a smaller step, or size the pool larger"
+        )
+        self.needed = needed
+        self.free = free
+
+
+@dataclass
+class StepPlan:
+    """Everything one forward needs, decided once for all layers.
+
+    `visible[i, j]` says query token i may attend read column j. Read columns are cells
+    `[0, read_len)`, or only the cells in `read_idx` when the step reads a compacted window.
+    """
+
+    cells: torch.Tensor  # [T] cell claimed by each token of the step (host, for metadata)
+    kv_cells: torch.Tensor  # the same on the K/V pools' device
+    seq_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    read_len: int
+    read_idx: torch.Tensor | None  # [C] cells read by this step (on the pools' device), or None: [0, read_len)
+    visible: torch.Tensor  # [T, C or read_len] bool
+    key_pos: torch.Tensor  # [C or read_len] position of each read column (for sliding windows)
+
+    @property
+    def n_tokens(self) -> int:
+        return int(self.cells.numel())
+
+
+class CellLayer(CacheLayerMixin):
+    """One layer's K/V pools `[1, n_kv_heads, n_cells, head_dim]`, allocated on first use.
+
+    Shapes come from the model's own key/value states, so any architecture (GQA, GPT-2, different
+    K and V head sizes) works without parsing its config.
+    """
+
+    is_compileable = False
+    is_sliding = False  # a sliding window lives in the mask, not in the pool
+
+    def __init__(self, cache: "CellCache", layer_idx: int):
+        super().__init__()
+        self.cache = cache
+        self.layer_idx = layer_idx
+
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        n = self.cache.n_cells
+        k_shape = (1, key_states.shape[1], n, key_states.shape[3])
+        v_shape = (1, value_states.shape[1], n, value_states.shape[3])
+        self.keys = torch.zeros(k_shape, dtype=key_states.dtype, device=key_states.device)
+        self.values = torch.zeros(v_shape, dtype=value_states.dtype, device=value_states.device)
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        plan = self.cache.take_layer(self.layer_idx)
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.keys.index_copy_(2, plan.kv_cells, key_states)
+        self.values.index_copy_(2, plan.kv_cells, value_states)
+        if plan.read_idx is not None:
+            return self.keys.index_select(2, plan.read_idx), self.values.index_select(2, plan.read_idx)
+        return self.keys[:, :, : plan.read_len], self.values[:, :, : plan.read_len]
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.cache.read_len, 0
+
+    def get_seq_length(self) -> int:
+        return self.cache.read_len
+
+    def get_max_length(self) -> int:
+        return self.cache.n_cells
+
+
+class CellCache(Cache):
+    """A pool of `n_cells` KV cells owned by up to `max_seqs` sequence slots.
+
+    Guarantees:
+    - metadata lives in tensors (`owner` [max_seqs, n_cells] bool, `n_owners`, `pos`) and every verb
+      is a broadcast over them, never a Python loop over cells;
+    - every verb validates its arguments before changing anything, so a failed call leaves the
+      cache exactly as it was;
+    - cells are interchangeable, so a step that passes `can_extend` cannot fail to allocate;
+    - `read_len` is one past the highest occupied cell: freeing trailing cells shrinks it.
+    """
+
+    def __init__(
+        self,
+        n_cells: int,
+        n_layers: int,
+        max_seqs: int = DEFAULT_MAX_SEQS,
+        compact: bool = True,
+        device: str | torch.device = "cpu",
+    ):
+        if n_cells < 1 or n_layers < 1 or max_seqs < 1:
+            raise ValueError(f"n_cells, n_layers and max_seqs must be >= 1 (got {n_cells}, {n_layers}, {max_seqs})")
+        self.n_cells = n_cells
+        self.max_seqs = max_seqs
+        self.compact = compact
+        self.device = torch.device(device)  # where K/V pools live; metadata always stays on the host
+        super().__init__(layers=[CellLayer(self, i) for i in range(n_layers)])
+        self.owner = torch.zeros(max_seqs, n_cells, dtype=torch.bool)
+        self.n_owners = torch.zeros(n_cells, dtype=torch.int32)
+        self.pos = torch.full((n_cells,), -1, dtype=torch.int64)
+        self.read_len = 0
+        self.plan: StepPlan | None = None
+        self._served = torch.zeros(n_layers, dtype=torch.bool)
+
+    # ----- queries -------------------------------------------------------------------------
+    def free_cells(self) -> int:
+        return self.n_cells - self.used_cells()
+
+    def used_cells(self) -> int:
+        return int((self.n_owners[: self.read_len] > 0).sum())
+
+    def can_extend(self, n: int) -> bool:
+        return self.free_cells() >= n
+
+    def seq_len(self, seq_id: int) -> int:
+        self._check_slot(seq_id, "seq_id")
+        return int(self.owner[seq_id, : self.read_len].sum())
+
+    def next_pos(self, seq_id: int) -> int:
+        self._check_slot(seq_id, "seq_id")
+        held = self.pos[: self.read_len][self.owner[seq_id, : self.read_len]]
+        return int(held.max()) + 1 if held.numel() else 0
+
+    def shared_cells(self, seq_id: int) -> int:
+        """Cells `seq_id` owns together with at least one other sequence."""
+        self._check_slot(seq_id, "seq_id")
+        r = self.read_len
+        return int((self.owner[seq_id, :r] & (self.n_owners[:r] > 1)).sum())
+
+    def seq_positions(self, seq_id: int) -> torch.Tensor:
+        """Sorted positions `seq_id` holds cells for."""
+        self._check_slot(seq_id, "seq_id")
+        r = self.read_len
+        return self.pos[:r][self.owner[seq_id, :r]].sort().values
+
+    # ----- verbs ---------------------------------------------------------------------------
+    def begin_step(self, seq_ids, positions) -> StepPlan:
+        """Claim the lowest free cell for each token and plan what every token may attend.
+
+        Raises before claiming anything if the step is empty, a slot is out of range, a token's
+        (seq, position) is already held or repeated, or the pool lacks free cells (`CacheFull`).
+        """
+        seq_ids = torch.as_tensor(seq_ids, dtype=torch.int64).reshape(-1)
+        positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
+        self._validate_step(seq_ids, positions)
+        n_tok = seq_ids.numel()
+        free = torch.nonzero(self.n_owners == 0).squeeze(1)
+        if free.numel() < n_tok:
+            raise CacheFull(n_tok, int(free.numel()))
+        cells = free[:n_tok]
+        self.owner[seq_ids, cells] = True
+        self.n_owners[cells] = 1
+        self.pos[cells] = positions
+        self.read_len = max(self.read_len, int(cells[-1]) + 1)
+        self.plan = self._plan(cells, seq_ids, positions)
+        self._served.zero_()
+        return self.plan
+
+    def end_step(self) -> None:
+        """The forward finished: the claimed cells now hold valid K/V."""
+        self.plan = None
+
+    def abort_step(self) -> None:
+        """The forward failed: release the cells this step claimed, as if it never happened."""
+        plan, self.plan = self.plan, None
+        if plan is None:
+            return
+        self.owner[plan.seq_ids, plan.cells] = False
+        self.n_owners[plan.cells] = 0
+        self.pos[plan.cells] = -1
+        self._shrink_read_len()
+
+    def seq_cp(self, src: int, dst: int, upto: int | None = None) -> None:
+        """Fork: `dst` also owns `src`'s cells with position < `upto` (all if None). Copies no K/V."""
+        self._check_slot(src, "src")
+        self._check_slot(dst, "dst")
+        r = self.read_len
+        sel = self.owner[src, :r] & self._pos_range(0, upto)
+        new = sel & ~self.owner[dst, :r]
+        self.owner[dst, :r] |= new
+        self.n_owners[:r] += new.to(torch.int32)
+
+    def seq_rm(self, seq_id: int, p0: int = 0, p1: int | None = None) -> int:
+        """Drop `seq_id`'s claim on positions [p0, p1) (p1=None: to the end). Returns cells freed."""
+        self._check_slot(seq_id, "seq_id")
+        if p0 < 0 or (p1 is not None and p1 < p0):
+            raise CellCacheError(f"seq_rm range [{p0}, {p1}) is invalid: need 0 <= p0 <= p1")
+        r = self.read_len
+        sel = self.owner[seq_id, :r] & self._pos_range(p0, p1)
+        self.owner[seq_id, :r] &= ~sel
+        self.n_owners[:r] -= sel.to(torch.int32)
+        freed = sel & (self.n_owners[:r] == 0)
+        self.pos[:r].masked_fill_(freed, -1)
+        self._shrink_read_len()
+        return int(freed.sum())
+
+    def take_layer(self, layer_idx: int) -> StepPlan:
+        """Called by each layer's `update`: the current plan, once per layer per step."""
+        if self.plan is None:
+            raise CellCacheError("forward without a step: call begin_step(seq_ids, positions) first")
+        if self._served[layer_idx]:
+            raise CellCacheError(
+                f"layer {layer_idx} served twice in one step: call begin_step before every forward"
+            )
+        self._served[layer_idx] = True
+        return self.plan
+
+    # ----- internals -----------------------------------------------------------------------
+    def _plan(self, cells, seq_ids, positions) -> StepPlan:
+        r = self.read_len
+        key_pos = self.pos[:r]
+        visible = self.owner[seq_ids, :r] & (key_pos[None, :] <= positions[:, None])
+        read_idx = None
+        if self.compact:
+            cols = torch.nonzero(visible.any(0)).squeeze(1)
+            # Gathering costs a copy per layer; only worth it when it drops at least half the window.
+            if cols.numel() * 2 <= r:
+                read_idx, visible, key_pos = cols.to(self.device), visible[:, cols], key_pos[cols]
+        return StepPlan(cells, cells.to(self.device), seq_ids, positions, r, read_idx, visible, key_pos)
+
+    def _validate_step(self, seq_ids: torch.Tensor, positions: torch.Tensor) -> None:
+        if self.plan is not None:
+            raise CellCacheError("a step is already in progress: call end_step() or abort_step() first")
+        if seq_ids.numel() == 0:
+            raise CellCacheError("empty step: pass at least one (seq_id, position)")
+        if seq_ids.numel() != positions.numel():
+            raise CellCacheError(f"{seq_ids.numel()} seq_ids but {positions.numel()} positions: pass one each")
+        bad = (seq_ids < 0) | (seq_ids >= self.max_seqs)
+        if bad.any():
+            raise CellCacheError(
+                f"seq_id {int(seq_ids[bad][0])} out of range [0, {self.max_seqs}): raise max_seqs"
+            )
+        if (positions < 0).any():
+            raise CellCacheError(f"negative position {int(positions.min())}: positions start at 0")
+        keys = seq_ids * (int(positions.max()) + 1) + positions
+        if keys.unique().numel() != keys.numel():
+            raise CellCacheError("the step repeats a (seq_id, position) pair: each token needs its own position")
+        r = self.read_len
+        held = self.owner[seq_ids, :r] & (self.pos[:r][None, :] == positions[:, None])
+        if held.any():
+            i = int(torch.nonzero(held.any(1))[0])
+            raise CellCacheError(
+                f"seq {int(seq_ids[i])} already holds position {int(positions[i])}: "
+                "seq_rm it first (truncate) or use next_pos()"
+            )
+
+    def _pos_range(self, p0: int, p1: int | None) -> torch.Tensor:
+        key_pos = self.pos[: self.read_len]
+        sel = key_pos >= p0
+        return sel if p1 is None else sel & (key_pos < p1)
+
+    def _shrink_read_len(self) -> None:
+        occupied = torch.nonzero(self.n_owners[: self.read_len] > 0)
+        self.read_len = int(occupied[-1]) + 1 if occupied.numel() else 0
+
+    def _check_slot(self, seq_id: int, name: str) -> None:
+        if not isinstance(seq_id, int) or isinstance(seq_id, bool) or not 0 <= seq_id < self.max_seqs:
+            raise CellCacheError(f"{name}={seq_id!r} is not a slot in [0, {self.max_seqs}): raise max_seqs")

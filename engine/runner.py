@@ -1,0 +1,130 @@
+"""ModelRunner: an unmodified Hugging Face causal LM running flat multi-sequence steps over cells.
+
+One forward takes the tokens of many sequences on one token axis (batch 1). The runner plans the
+step on the `CellCache` (claims cells, builds the visibility mask), calls the model with explicit
+`position_ids` and 4D mask, and returns logits only for the rows asked for. If the forward raises,
+the cells the step claimed are released, so the cache is exactly as it was before the call.
+"""
+
+import inspect
+from pathlib import Path
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from engine.attention import ATTENTION_PATHS, build_mask, mask_spec_for
+from engine.cells import DEFAULT_MAX_SEQS, CellCache
+from engine.step import flatten_step
+
+DEFAULT_N_CELLS = 8192
+
+
+def kv_bytes_per_cell(config, dtype: torch.dtype) -> int:
+    """Bytes one cell (one token's K and V over all layers) takes in the pools."""
+    cfg = config.get_text_config()
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    return 2 * cfg.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def max_model_len(config) -> int:
+    cfg = config.get_text_config()
+    return int(getattr(cfg, "max_position_embeddings", 0) or getattr(cfg, "n_positions", 0) or 2048)
+
+
+class ModelRunner:
+    """Owns the model, its tokenizer and the cell pool; runs one flat step per `forward` call.
+
+    `attention="fast"` reads only the cells visible to the step (compacted window);
+    `attention="reference"` reads the whole window with a dense mask (the oracle in tests).
+    """
+
+    def __init__(
+        self,
+        model,
+        tokenizer=None,
+        *,
+        n_cells: int | None = None,
+        kv_memory_bytes: int | None = None,
+        max_seqs: int = DEFAULT_MAX_SEQS,
+        threads: int | None = None,
+        attention: str = "fast",
+    ):
+        if attention not in ATTENTION_PATHS:
+            raise ValueError(f"attention={attention!r}: choose one of {ATTENTION_PATHS}")
+        if threads:
+            torch.set_num_threads(threads)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.config = model.config
+        self.device = model.device
+        self.dtype = model.dtype
+        self.spec = mask_spec_for(model)
+        self.cell_bytes = kv_bytes_per_cell(self.config, self.dtype)
+        self.max_model_len = max_model_len(self.config)
+        if n_cells is None:
+            n_cells = kv_memory_bytes // self.cell_bytes if kv_memory_bytes else DEFAULT_N_CELLS
+        n_layers = self.config.get_text_config().num_hidden_layers
+        self.cache = CellCache(n_cells, n_layers, max_seqs, compact=attention == "fast", device=self.device)
+        self.attention = attention
+        # transformers 5.24 renamed `past_key_values` to `cache`; accept both so 5.23 keeps working.
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        path: str | Path,
+        *,
+        dtype: torch.dtype = torch.float32,
+        attn_implementation: str = "sdpa",
+        device: str = "cpu",
+        **kwargs,
+    ) -> "ModelRunner":
+        """Load a local Hugging Face causal-LM folder (config, safetensors, tokenizer); never downloads."""
+        path = Path(path)
+        if not (path / "config.json").is_file():
+            raise FileNotFoundError(f"{path} is not a model folder: it has no config.json")
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
+        ).to(device)
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        return cls(model, tokenizer, **kwargs)
+
+    @property
+    def n_cells(self) -> int:
+        return self.cache.n_cells
+
+    def forward(self, tokens, positions, seq_ids, logits_indices) -> torch.Tensor:
+        """Run one flat step; return fp32 logits `[len(logits_indices), vocab]` for those rows."""
+        plan = self.cache.begin_step(seq_ids, positions)
+        try:
+            mask = build_mask(plan, self.spec)
+            with torch.inference_mode():
+                out = self.model(
+                    input_ids=torch.as_tensor(tokens).reshape(1, -1).to(self.device),
+                    position_ids=plan.positions.reshape(1, -1).to(self.device),
+                    attention_mask=_to(mask, self.device),
+                    use_cache=True,
+                    **{self._cache_kwarg: self.cache},
+                    logits_to_keep=torch.as_tensor(logits_indices, dtype=torch.int64).to(self.device),
+                )
+            logits = out.logits[0].float()
+        except BaseException:
+            self.cache.abort_step()
+            raise
+        self.cache.end_step()
+        return logits
+
+    def run(self, chunks: dict[int, tuple[list[int], int]]) -> dict[int, torch.Tensor]:
+        """Convenience: `{seq_id: (token_ids, start_pos)}` -> `{seq_id: logits of its last token}`."""
+        step = flatten_step(chunks)
+        logits = self.forward(*step)
+        return dict(zip(chunks.keys(), logits))
+
+
+def _to(mask, device):
+    if isinstance(mask, dict):
+        return {k: v.to(device) for k, v in mask.items()}
+    return mask.to(device)

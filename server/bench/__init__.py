@@ -9,6 +9,7 @@ only speaks HTTP (httpx) and never imports torch or `engine/`. Modules, one conc
 - `arrivals`  Poisson / gamma inter-arrival gaps for open-loop runs
 - `client`    one streamed request -> one record
 - `forktree`  cellserve's stateful-sequence workload (create, fork, continue, delete)
+- `jobs`      a workload turned into the runner's unit of work
 - `runner`    closed-loop and open-loop drivers with a live progress bar
 - `metrics`   TTFT / TPOT / ITL / E2E statistics, throughput, goodput, errors
 - `report`    the summary table and the JSON results file

@@ -5,7 +5,8 @@ Definitions (all measured on the client, latencies reported in milliseconds):
 - ITL: every gap between consecutive content chunks, pooled over all successful requests.
 - TPOT: per request (e2e - ttft) / (output_tokens - 1), only for requests with >= 2 output tokens.
 - E2EL: send -> end of stream.
-- Throughput: successful requests and their output tokens divided by the level's wall time.
+- Throughput: successful requests and their output tokens divided by the level's wall time;
+  achieved concurrency is the sum of successful requests' E2EL over the wall time (as SGLang).
 - Goodput: successful requests meeting every given SLO, per second. A request with fewer than two
   output tokens has no TPOT and is judged on the other SLOs only (as vLLM does).
 Only successful requests enter the latency statistics; failures are counted by error label.
@@ -154,7 +155,7 @@ def summarize(records: list[RequestRecord], duration_s: float, slo: Slo | None =
         output_throughput=_rate(out_tokens, duration_s),
         total_output_tokens=out_tokens,
         total_prompt_tokens=total_prompt,
-        concurrency_achieved=_rate(sum(r.latency or 0.0 for r in records), duration_s),
+        concurrency_achieved=_rate(sum(r.latency or 0.0 for r in ok), duration_s),
         goodput=None if met is None else _rate(met, duration_s),
         slo_met=met,
         ttft=distribution([r.ttft for r in ok if r.ttft is not None]),

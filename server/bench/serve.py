@@ -22,7 +22,6 @@ from server.bench.client import RequestOptions, fetch_default_model
 from server.bench.forktree import probe_sequences
 from server.bench.jobs import Workload, make_job
 from server.bench.metrics import Slo, Summary, parse_slo, summarize
-from server.bench.plots import write_plots
 from server.bench.report import full_report, machine_info, print_report, results_json, write_json
 from server.bench.runner import Level, LevelResult, run_level
 from server.bench.workloads import ForkTreeWorkload, RandomWorkload, SharedPrefixWorkload
@@ -219,6 +218,8 @@ def run_args(args: argparse.Namespace, command: str | None = None) -> int:
     if args.out:
         print(f"results: {write_json(args.out, results_json(run, results, summaries))}")
     if args.plot:
+        from server.bench.plots import write_plots  # matplotlib is slow to import; only when asked
+
         print("plots: " + ", ".join(str(p) for p in write_plots(results, summaries, args.plot)))
     measured = [s for s in summaries if s is not None]
     if measured and not any(s.completed for s in measured):

@@ -71,7 +71,7 @@ class TrainConfig:
     num_kv_heads: int = 2
     context: int = 512
     batch_size: int = 8
-    steps: int = 900
+    steps: int = 800
     lr: float = 2e-3
     min_lr_ratio: float = 0.1
     warmup_steps: int = 50
@@ -80,7 +80,7 @@ class TrainConfig:
     heldout_fraction: float = 0.05
     passage_chars: int = 1500
     heldout_file_chars: int = 10_000
-    eval_every: int = 300
+    eval_every: int = 200
     threads: int = 2
     bf16_autocast: bool = True
 

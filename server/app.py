@@ -1,0 +1,61 @@
+"""The FastAPI app: routes, error handlers, API-key check and the engine's lifecycle, with the engine
+injected.
+
+`build_app(engine, ...)` takes either a ready `AsyncEngine` (tests build a real one from a tiny
+seeded model) or a zero-argument factory that builds one (the CLI: the model loads in a worker
+thread after the socket is open, and `/health` answers 503 until it is ready). The app starts the
+engine when it starts and shuts it down (finishing or cancelling in-flight work within the grace
+period) when it stops. `server/` never touches tensors: it talks to the engine only through the
+AsyncEngine API (generate, cancel, sequence verbs, stats, tokenizer).
+"""
+
+import hmac
+import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import Depends, FastAPI, Request
+
+from server import routes_openai, routes_ops, routes_sequences
+from server.context import ServerContext
+from server.errors import APIError, install_error_handlers
+
+log = logging.getLogger("cellserve.server")
+
+
+def require_api_key(request: Request) -> None:
+    """`Authorization: Bearer <key>` when the server has a key; constant-time compare."""
+    expected = ServerContext.of(request).api_key
+    if not expected:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
+        raise APIError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>' with the "
+                       "key the server was started with (--api-key)", code="invalid_api_key")
+
+
+def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str | None = None,
+              shutdown_grace_s: float = 30.0, on_load_error=None) -> FastAPI:
+    """The HTTP app over `engine` (an AsyncEngine, or a zero-argument callable that builds one)."""
+    ctx = ServerContext(engine, served_model_name=served_model_name, api_key=api_key,
+                        shutdown_grace_s=shutdown_grace_s, on_load_error=on_load_error)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await ctx.startup()
+        try:
+            yield
+        finally:
+            await ctx.shutdown()
+
+    app = FastAPI(title="cellserve", version="0.1.0", lifespan=lifespan,
+                  description="Multi-sequence LLM inference over one shared pool of KV cells.")
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    app.include_router(routes_ops.public)
+    guarded = [Depends(require_api_key)]
+    for router in (routes_openai.router, routes_sequences.router, routes_ops.router):
+        app.include_router(router, dependencies=guarded)
+    return app

@@ -1,0 +1,156 @@
+"""`cellserve`: the command line. `cellserve serve ...` runs the HTTP server; `cellserve bench serve|engine
+...` runs the benchmarks (imported lazily so the server never pays for them).
+
+`serve` opens the socket first and loads the model in a worker thread, so `/health` answers 503 while
+it loads; if loading fails the process exits with status 1 and says why. SIGTERM/SIGINT stop
+admitting new requests (503), let in-flight ones finish for `--shutdown-grace` seconds, cancel what
+is left, shut the engine down and exit 0.
+"""
+
+import argparse
+import logging
+import re
+import sys
+from collections.abc import Callable
+
+log = logging.getLogger("cellserve")
+
+_SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
+               "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
+
+
+def parse_size(text: str) -> int:
+    """'2GiB' -> 2147483648, '512MB' -> 512000000, '1048576' -> 1048576."""
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", text)
+    unit = m.group(2).lower() if m else None
+    if m is None or unit not in _SIZE_UNITS:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size; write e.g. 2GiB, 512MiB, 1.5GB or a byte count")
+    value = int(float(m.group(1)) * _SIZE_UNITS[unit])
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
+    return value
+
+
+def human_bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p = parser
+    p.add_argument("--model", default=None, help="Hugging Face model folder (default: the bundled model)")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    pool = p.add_mutually_exclusive_group()
+    pool.add_argument("--n-cells", type=_positive_int, default=None, help="KV cells in the pool (tokens)")
+    pool.add_argument("--kv-memory", type=parse_size, default=None, help="KV pool budget, e.g. 2GiB")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=256, help="sequences running at once")
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=512, help="token budget per tick")
+    p.add_argument("--max-queue", type=_positive_int, default=1024, help="waiting requests before 429")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    p.add_argument("--served-model-name", default=None, help="model id reported by the API")
+    p.add_argument("--seq-ttl", type=float, default=600.0, help="seconds before an idle sequence expires")
+    p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    return p
+
+
+def engine_factory(args: argparse.Namespace) -> Callable[[], object]:
+    """A zero-argument builder the app calls in a worker thread (model loading takes seconds)."""
+
+    def build():
+        from engine.async_engine import AsyncEngine  # torch-heavy; only when serving
+        from engine.models import DEFAULT_MODEL_DIR
+
+        path = args.model or str(DEFAULT_MODEL_DIR)
+        log.info("loading model from %s", path)
+        engine = AsyncEngine.from_pretrained(
+            path, n_cells=args.n_cells, kv_memory_bytes=args.kv_memory, max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue,
+            seq_ttl_s=args.seq_ttl, threads=args.threads)
+        pool = engine.n_cells * engine.cell_bytes
+        log.info("loaded %s (context %d tokens); cell pool: %d cells x %d B = %s",
+                 engine.model_name, engine.max_model_len, engine.n_cells, engine.cell_bytes, human_bytes(pool))
+        return engine
+
+    return build
+
+
+def run_server(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from server.app import build_app
+
+    failed: list[BaseException] = []
+    server: uvicorn.Server | None = None
+
+    def on_load_error(exc: BaseException) -> None:
+        failed.append(exc)
+        if server is not None:
+            server.should_exit = True
+
+    app = build_app(engine_factory(args), served_model_name=args.served_model_name, api_key=args.api_key,
+                    shutdown_grace_s=args.shutdown_grace, on_load_error=on_load_error)
+    ctx = app.state.ctx
+
+    class DrainingServer(uvicorn.Server):
+        """On SIGTERM/SIGINT the app stops admitting (503) before uvicorn starts its graceful wait."""
+
+        def handle_exit(self, sig, frame) -> None:
+            ctx.begin_drain()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                            timeout_graceful_shutdown=max(1, int(args.shutdown_grace)))
+    server = DrainingServer(config)
+    log.info("cellserve listening on http://%s:%d (model loads in the background; GET /health is 503 "
+             "until it is ready)", args.host, args.port)
+    server.run()
+    if failed:
+        log.error("exiting: the model failed to load (%s)", failed[0])
+        return 1
+    return 0
+
+
+def _bench(argv: list[str]) -> int:
+    if not argv or argv[0] not in ("serve", "engine"):
+        print("usage: cellserve bench {serve,engine} ...  (serve: load-test an HTTP server; "
+              "engine: measure the engine offline)", file=sys.stderr)
+        return 2
+    module = f"server.bench.{argv[0]}"
+    try:
+        mod = __import__(module, fromlist=["main"])
+    except ModuleNotFoundError as exc:
+        if exc.name and module.startswith(exc.name):
+            print(f"`cellserve bench {argv[0]}` is not available in this build ({module} is missing)",
+                  file=sys.stderr)
+            return 2
+        raise
+    return int(mod.main(argv[1:]) or 0)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] == "bench":
+        return _bench(argv[1:])
+    parser = argparse.ArgumentParser(prog="cellserve", description="Multi-sequence LLM inference server.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve_parser(sub.add_parser("serve", help="run the OpenAI-compatible HTTP server"))
+    sub.add_parser("bench", help="benchmarks: `cellserve bench serve ...` or `cellserve bench engine ...`")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return run_server(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

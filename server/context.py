@@ -1,0 +1,129 @@
+"""Shared state of one server: the engine's lifecycle as HTTP sees it, and what routes share.
+
+Lifecycle: `loading` -> `ready` -> `draining` -> `stopped` (or `failed` if loading raised). Only
+`ready` admits work; every other state answers 503 with a message saying why, so a client can tell
+"try again soon" (loading) from "go elsewhere" (draining/stopped/failed). The engine is either given
+ready-made (tests inject a real engine built from a tiny model) or built by a factory in a worker
+thread after the socket is open, so `/health` can say 503 while the model loads.
+"""
+
+import asyncio
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from fastapi import Request
+
+from server.errors import APIError
+from server.metrics import ServerMetrics
+from server.tokenization import TokenizerService
+
+log = logging.getLogger("cellserve.server")
+
+EngineFactory = Callable[[], Any]
+
+
+class ServerContext:
+    def __init__(self, engine: Any, *, served_model_name: str | None = None, api_key: str | None = None,
+                 shutdown_grace_s: float = 30.0, on_load_error: Callable[[BaseException], None] | None = None):
+        self._factory: EngineFactory | None = None if _is_engine(engine) else engine
+        self.engine: Any | None = engine if _is_engine(engine) else None
+        self.state = "loading"
+        self.error: str | None = None
+        self.served_model_name = served_model_name
+        self.api_key = api_key
+        self.shutdown_grace_s = shutdown_grace_s
+        self.on_load_error = on_load_error
+        self.tokens: TokenizerService | None = None
+        self.metrics = ServerMetrics(self._stats)
+        self.runs: dict[str, Any] = {}
+        self._load_task: asyncio.Task | None = None
+
+    @staticmethod
+    def of(request: Request) -> "ServerContext":
+        return request.app.state.ctx
+
+    # lifecycle
+    async def startup(self) -> None:
+        if self.engine is not None:
+            self._attach(self.engine)
+        else:
+            self._load_task = asyncio.create_task(self._load())
+
+    async def _load(self) -> None:
+        try:
+            engine = await asyncio.to_thread(self._factory)
+            self._attach(engine)
+        except BaseException as exc:  # noqa: BLE001 -- reported through /health and the callback
+            self.state, self.error = "failed", f"{type(exc).__name__}: {exc}"
+            log.error("model failed to load: %s", self.error)
+            if self.on_load_error is not None:
+                self.on_load_error(exc)
+
+    def _attach(self, engine: Any) -> None:
+        engine.start()
+        self.engine = engine
+        self.tokens = TokenizerService(engine.tokenizer)
+        if self.served_model_name is None:
+            self.served_model_name = engine.model_name
+        self.state = "ready"
+
+    def begin_drain(self) -> None:
+        """Stop admitting new work (SIGTERM); in-flight requests keep going until the grace ends."""
+        if self.state in ("ready", "loading"):
+            self.state = "draining"
+
+    async def shutdown(self) -> None:
+        self.begin_drain()
+        if self._load_task is not None and not self._load_task.done():
+            self._load_task.cancel()
+        for run in list(self.runs.values()):
+            run.cancel()
+        if self.engine is not None:
+            await self.engine.shutdown(self.shutdown_grace_s)
+        self.state = "stopped"
+
+    # what routes use
+    def require_engine(self) -> Any:
+        if self.state == "ready":
+            return self.engine
+        why = {
+            "loading": "the model is still loading; retry in a few seconds",
+            "draining": "the server is shutting down and admits no new requests",
+            "stopped": "the server has stopped",
+            "failed": f"the model failed to load ({self.error}); see the server log",
+        }[self.state]
+        raise APIError(503, why, code="unavailable")
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or "cellserve"
+
+    def default_max_tokens(self, prompt_len: int, n: int = 1) -> int:
+        """What "generate until the end" means: the model's context left, and the pool shared by n choices."""
+        e = self.engine
+        by_model = int(e.max_model_len) - prompt_len
+        by_pool = (int(e.n_cells) - prompt_len) // max(1, n)
+        return max(1, min(by_model, by_pool))
+
+    def _stats(self):
+        return self.engine.stats() if self.engine is not None and self.state != "loading" else None
+
+    # in-flight runs, for POST /v1/requests/{id}/cancel
+    def register(self, run: Any) -> None:
+        self.runs[run.request_id] = run
+
+    def unregister(self, run: Any) -> None:
+        if self.runs.get(run.request_id) is run:
+            del self.runs[run.request_id]
+
+    def cancel_request(self, request_id: str) -> bool:
+        run = self.runs.get(request_id)
+        if run is not None:
+            run.cancel()
+            return True
+        return bool(self.engine.cancel(request_id)) if self.engine is not None else False
+
+
+def _is_engine(obj: Any) -> bool:
+    return hasattr(obj, "generate") and hasattr(obj, "tokenizer")

@@ -1,0 +1,161 @@
+"""One HTTP generation as engine requests: start, merge their outputs, cancel what is left.
+
+A completion with several prompts becomes one engine request per prompt (ids `<id>-0`, `<id>-1`,
+...; a single prompt keeps `<id>` itself); `n` choices per prompt are the engine's business (it
+prefills once and forks). `GenerationRun` guarantees:
+- `start()` either admits every engine request or raises the engine's typed error (QueueFull,
+  PromptTooLong, SequenceBusy, ...) after cancelling the ones it had started, so a refused HTTP
+  request leaves nothing behind. It waits for each request's first output, so an engine whose
+  refusals surface on the first `anext` is handled the same as one that raises at call time.
+- `events()` yields `(prompt_index, RequestOutput)` in arrival order, per-request order preserved.
+- `cancel()` is idempotent and cancels only requests that have not finished; every route calls it in
+  a `finally`, so a dropped client or an exception frees the request's cells at the next tick.
+"""
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any
+
+from fastapi import Request
+
+from engine.outputs import RequestOutput
+from server.metrics import RequestObserver, ServerMetrics
+
+_END = object()
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected while we were waiting on the engine."""
+
+
+class GenerationRun:
+    def __init__(self, engine: Any, request_id: str, prompts: list[list[int]], params: Any, *,
+                 seq_id: str | None = None, metrics: ServerMetrics | None = None):
+        self.engine = engine
+        self.request_id = request_id
+        self.prompts = prompts
+        self.params = params
+        self.seq_id = seq_id
+        self.engine_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{k}" for k in range(len(prompts))]
+        self._metrics = metrics
+        self._streams: list[AsyncIterator[RequestOutput]] = []
+        self._first: list[RequestOutput] = []
+        self._finished: set[int] = set()
+
+    async def start(self) -> None:
+        try:
+            for rid, ids in zip(self.engine_ids, self.prompts):
+                kwargs = {"seq_id": self.seq_id} if self.seq_id is not None else {}
+                stream = self.engine.generate(rid, ids, self.params, **kwargs)
+                self._streams.append(stream)
+                self._first.append(await anext(stream))
+        except BaseException:
+            self.cancel()
+            await self.aclose()
+            raise
+
+    def prompt_tokens(self) -> int:
+        """Prompt tokens as the engine counted them (a sequence's whole context), else ours."""
+        if self._first and all(o.prompt_token_ids for o in self._first):
+            return sum(len(o.prompt_token_ids) for o in self._first)
+        return sum(len(p) for p in self.prompts)
+
+    async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        if len(self._streams) == 1:
+            async for out in self._one(0):
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(k: int) -> None:
+            try:
+                async for out in self._one(k):
+                    await queue.put((k, out))
+            except Exception as exc:  # noqa: BLE001 -- re-raised on the consumer side, in order
+                await queue.put((k, exc))
+            finally:
+                await queue.put((k, _END))
+
+        tasks = [asyncio.create_task(pump(k)) for k in range(len(self._streams))]
+        try:
+            live = len(tasks)
+            while live:
+                k, item = await queue.get()
+                if item is _END:
+                    live -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield k, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _one(self, k: int) -> AsyncIterator[RequestOutput]:
+        observer = RequestObserver(self._metrics)
+        out = self._first[k]
+        while True:
+            observer.observe(out)
+            if out.finished:
+                self._finished.add(k)
+            yield out
+            if out.finished:
+                return
+            try:
+                out = await anext(self._streams[k])
+            except StopAsyncIteration:
+                self._finished.add(k)
+                return
+
+    @property
+    def done(self) -> bool:
+        return len(self._finished) == len(self.engine_ids)
+
+    def cancel(self) -> bool:
+        """Cancel every unfinished engine request; True if anything was still running."""
+        hit = False
+        for k, rid in enumerate(self.engine_ids):
+            if k not in self._finished:
+                hit = bool(self.engine.cancel(rid)) or hit
+        return hit
+
+    async def aclose(self) -> None:
+        for stream in self._streams:
+            aclose = getattr(stream, "aclose", None)
+            if aclose is not None:
+                with contextlib.suppress(Exception):
+                    await aclose()
+
+
+async def await_or_disconnect(request: Request, work: Awaitable, on_disconnect) -> Any:
+    """Await `work`, but if the client disconnects first: call `on_disconnect()` and raise ClientGone.
+
+    Listens for the ASGI `http.disconnect` message (the body has already been read, so the next
+    message can only be that) instead of polling `request.is_disconnected()`: it reacts at once and
+    costs nothing while waiting.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        on_disconnect()
+        raise
+    finally:
+        watcher.cancel()
+    if task.done():
+        return task.result()
+    task.cancel()
+    on_disconnect()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise ClientGone()
+
+
+async def _wait_disconnect(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return

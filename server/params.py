@@ -1,0 +1,35 @@
+"""HTTP sampling fields -> the engine's `SamplingParams`, with engine-side validation as 400s.
+
+Only fields the client actually set are passed, so the engine's defaults stay the single source of
+truth (temperature 1.0, top_p 1.0, ...). A `SamplingError` (a ValueError carrying `.param`) from the
+engine becomes a 400 naming that param, so a range the pydantic schema does not know about is still
+reported precisely.
+"""
+
+from typing import Any
+
+from server.errors import APIError
+from server.protocol import SamplingFields
+
+PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "presence_penalty",
+               "frequency_penalty", "repetition_penalty")
+
+
+def sampling_params(fields: SamplingFields, *, max_tokens: int, logprobs: int | None) -> Any:
+    from engine.sampling import SamplingParams  # the engine's own type; imported lazily (torch-heavy)
+
+    kwargs: dict[str, Any] = {"max_tokens": max_tokens, "n": fields.n, "ignore_eos": fields.ignore_eos,
+                              "logprobs": logprobs}
+    for name in PASSTHROUGH:
+        value = getattr(fields, name)
+        if value is not None:
+            kwargs[name] = value
+    if fields.stop:
+        kwargs["stop"] = list(fields.stop)
+    bias = fields.logit_bias_ids()
+    if bias:
+        kwargs["logit_bias"] = bias
+    try:
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, f"invalid sampling parameters: {exc}", param=getattr(exc, "param", None)) from exc

@@ -1,0 +1,256 @@
+"""Request schemas (pydantic v2) for every route: what a client may send, checked before any work.
+
+Guarantees:
+- Unknown fields are ignored, as OpenAI's server does (the `openai` SDK's `extra_body` lands here).
+- Types are strict: `"5"` is not an int, `1` is not a bool; a float field accepts an int. A wrong type
+  or an out-of-range value is a 400 whose `param` names the field (see `server.errors`).
+- Polymorphic fields (`prompt`, `stop`, message `content`) are checked by hand-written validators
+  and normalised to one shape, so routes never re-check them and error locations stay plain field
+  paths (no pydantic union tags).
+Responses are plain dicts built in `server.responses`, in OpenAI's exact shapes.
+"""
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_LOGPROBS = 20
+MAX_N = 64
+ROLES = ("system", "developer", "user", "assistant", "tool", "function")
+
+
+class StrictModel(BaseModel):
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+
+class ParamError(ValueError):
+    """A cross-field problem that still names its param (kept by pydantic in the error's ctx)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _is_token_list(value: Any) -> bool:
+    return isinstance(value, list) and all(type(t) is int and t >= 0 for t in value)
+
+
+def normalize_prompts(value: Any) -> list[str | list[int]]:
+    """str | list[str] | list[int] | list[list[int]] -> a non-empty list of prompts."""
+    hint = "give a string, a list of strings, a list of token ids, or a list of token-id lists"
+    if isinstance(value, str):
+        return [value]
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"prompt must not be empty; {hint}")
+    if all(isinstance(p, str) for p in value):
+        return list(value)
+    if _is_token_list(value):
+        return [list(value)]
+    if all(_is_token_list(p) and p for p in value):
+        return [list(p) for p in value]
+    raise ValueError(f"prompt has a wrong shape or a negative/non-integer token id; {hint}")
+
+
+def normalize_single_prompt(value: Any) -> str | list[int] | None:
+    """str | list[int] | None: one prompt (sequences and tokenize take exactly one)."""
+    if value is None or isinstance(value, str):
+        return value
+    if _is_token_list(value) and value:
+        return list(value)
+    raise ValueError("prompt must be a string or a non-empty list of non-negative token ids")
+
+
+class StreamOptions(StrictModel):
+    include_usage: bool = False
+
+
+class ChatMessage(StrictModel):
+    """One chat turn. `content` may be a string or OpenAI content parts; only text parts are served."""
+
+    role: Literal[ROLES]
+    content: str | None = None
+    name: str | None = None
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content_text(cls, value: Any) -> str | None:
+        if value is None or isinstance(value, str):
+            return value
+        if isinstance(value, list):
+            texts = []
+            for part in value:
+                if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                    raise ValueError("only text content parts ({'type': 'text', 'text': ...}) are supported")
+                texts.append(part["text"])
+            return "".join(texts)
+        raise ValueError("content must be a string or a list of text content parts")
+
+    def as_template_dict(self) -> dict[str, str]:
+        out = {"role": self.role, "content": self.content or ""}
+        if self.name is not None:
+            out["name"] = self.name
+        return out
+
+
+class SamplingFields(StrictModel):
+    """Sampling fields shared by completions, chat and sequence completions (OpenAI + vLLM extras)."""
+
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    seed: int | None = None
+    stop: list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    logit_bias: dict[str, float] | None = None
+    ignore_eos: bool = False
+    user: str | None = None
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop_list(cls, value: Any) -> list[str] | None:
+        if value is None:
+            return None
+        if isinstance(value, str):
+            return [value] if value else []
+        if isinstance(value, list) and all(isinstance(s, str) for s in value):
+            return [s for s in value if s]
+        raise ValueError("stop must be a string or a list of strings")
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        for key, bias in (value or {}).items():
+            if not key.lstrip("-").isdigit() or int(key) < 0:
+                raise ValueError(f"logit_bias keys must be token ids as strings, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
+        return value
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ParamError("stream_options", "stream_options is only allowed with stream=true")
+        return self
+
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
+
+    def include_usage(self) -> bool:
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: list[str | list[int]]
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompts(cls, value: Any) -> list[str | list[int]]:
+        return normalize_prompts(value)
+
+    @model_validator(mode="after")
+    def _unsupported(self):
+        if self.suffix:
+            raise ParamError("suffix", "suffix (insertion) is not supported by this server; leave it unset")
+        if self.echo and self.logprobs is not None:
+            raise ParamError("echo", "echo with logprobs needs prompt logprobs, which this server does not compute")
+        return self
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _top_logprobs_need_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ParamError("top_logprobs", "top_logprobs needs logprobs=true")
+        return self
+
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class _PromptOrMessages(StrictModel):
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, value: Any) -> str | list[int] | None:
+        return normalize_single_prompt(value)
+
+
+class SequenceCreateRequest(_PromptOrMessages):
+    model: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ParamError("prompt", "give exactly one of prompt or messages")
+        if self.messages is not None and not self.messages:
+            raise ParamError("messages", "messages must not be empty")
+        return self
+
+
+class SequenceCompletionRequest(SamplingFields, _PromptOrMessages):
+    """Append optional text to a sequence, then generate into it (one choice: n must be 1)."""
+
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _at_most_one(self):
+        if self.prompt is not None and self.messages is not None:
+            raise ParamError("prompt", "give at most one of prompt or messages")
+        if self.n != 1:
+            raise ParamError("n", "a sequence generates one continuation at a time; fork it for more (n must be 1)")
+        return self
+
+
+class ForkRequest(StrictModel):
+    at: int | None = Field(None, ge=0)
+
+
+class TruncateRequest(StrictModel):
+    length: int = Field(ge=0)
+
+
+class TokenizeRequest(_PromptOrMessages):
+    model: str | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ParamError("prompt", "give exactly one of prompt or messages")
+        if isinstance(self.prompt, list):
+            raise ParamError("prompt", "prompt must be a string (it is what gets tokenized)")
+        return self
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[int]
+
+    @field_validator("tokens")
+    @classmethod
+    def _non_negative(cls, value: list[int]) -> list[int]:
+        if any(t < 0 for t in value):
+            raise ValueError("token ids must be non-negative")
+        return value

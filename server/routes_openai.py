@@ -1,0 +1,57 @@
+"""OpenAI-compatible generation routes: `POST /v1/completions` and `POST /v1/chat/completions`.
+
+Each route only translates: validate (pydantic), tokenize (worker thread), build `SamplingParams`,
+start a `GenerationRun`, and let `server.serving` answer as JSON or SSE. Defaults follow OpenAI:
+completions `max_tokens` 16, chat `max_tokens` up to the context that is left.
+"""
+
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from server.context import ServerContext
+from server.generation import GenerationRun
+from server.params import sampling_params
+from server.protocol import ChatCompletionRequest, CompletionRequest
+from server.serving import ChatFormatter, Formatter, serve
+
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+router = APIRouter()
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@router.post("/v1/completions")
+async def completions(body: CompletionRequest, request: Request) -> Response:
+    ctx = ServerContext.of(request)
+    engine = ctx.require_engine()
+    prompts = [await ctx.tokens.encode(p) if isinstance(p, str) else p for p in body.prompt]
+    prefixes = None
+    if body.echo:
+        prefixes = [p if isinstance(p, str) else await ctx.tokens.decode(p) for p in body.prompt]
+    max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
+    run = GenerationRun(engine, new_id("cmpl"), prompts, params, metrics=ctx.metrics)
+    fmt = Formatter(ctx, run, n=body.n, want_logprobs=body.logprobs is not None,
+                    include_usage=body.include_usage(), prefixes=prefixes)
+    return await serve(request, ctx, run, fmt, stream=body.stream)
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+    ctx = ServerContext.of(request)
+    engine = ctx.require_engine()
+    messages = [m.as_template_dict() for m in body.messages]
+    prompt = await ctx.tokens.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
+    max_tokens = body.max_new_tokens()
+    if max_tokens is None:
+        max_tokens = ctx.default_max_tokens(len(prompt), body.n)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs)
+    run = GenerationRun(engine, new_id("chatcmpl"), [prompt], params, metrics=ctx.metrics)
+    fmt = ChatFormatter(ctx, run, n=body.n, want_logprobs=body.logprobs, include_usage=body.include_usage())
+    return await serve(request, ctx, run, fmt, stream=body.stream)

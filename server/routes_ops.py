@@ -1,0 +1,99 @@
+"""Operational routes: health, models, cell-pool state, metrics, tokenize/detokenize, cancel.
+
+`/health` and `/metrics` need no API key (load balancers and scrapers); everything else does when
+`--api-key` is set. `/health` is 200 only while the server admits work, 503 with the reason
+otherwise (loading, draining, failed). `/tokenize` and `/detokenize` use vLLM's shapes.
+"""
+
+import time
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.errors import RequestNotFound
+from server.context import ServerContext
+from server.errors import APIError
+from server.metrics import CONTENT_TYPE
+from server.protocol import DetokenizeRequest, TokenizeRequest
+from server.routes_sequences import sequence_view
+
+public = APIRouter()
+router = APIRouter()
+STARTED = int(time.time())
+
+
+@public.get("/health")
+async def health(request: Request) -> Response:
+    ctx = ServerContext.of(request)
+    ctx.require_engine()
+    return JSONResponse({"status": "ok"})
+
+
+@public.get("/metrics")
+async def metrics(request: Request) -> Response:
+    return Response(ServerContext.of(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+@router.get("/v1/models")
+async def models(request: Request) -> dict:
+    ctx = ServerContext.of(request)
+    engine = ctx.require_engine()
+    card = {"id": ctx.model_name, "object": "model", "created": STARTED, "owned_by": "cellserve",
+            "root": engine.model_name, "parent": None, "max_model_len": engine.max_model_len}
+    return {"object": "list", "data": [card]}
+
+
+@router.get("/v1/cache")
+async def cache(request: Request) -> dict:
+    engine = ServerContext.of(request).require_engine()
+    s = engine.stats()
+    return {
+        "object": "cache",
+        "cells": {"total": s.n_cells, "used": s.cells_used, "free": s.cells_free},
+        "cell_bytes": engine.cell_bytes,
+        "pool_bytes": engine.cell_bytes * s.n_cells,
+        "read_len": s.read_len,
+        "requests": {"running": s.running, "waiting": s.waiting},
+        "preemptions": s.preemptions,
+        "sequences": [sequence_view(i) for i in engine.list_sequences()],
+    }
+
+
+@router.post("/v1/requests/{request_id}/cancel")
+async def cancel_request(request_id: str, request: Request) -> dict:
+    ctx = ServerContext.of(request)
+    ctx.require_engine()
+    if not ctx.cancel_request(request_id):
+        raise RequestNotFound(f"no in-flight request {request_id!r}; it may have finished already (ids come "
+                              "from a response's `id` field or X-Request-Id header)", param="request_id")
+    return {"id": request_id, "object": "request.cancelled", "cancelled": True}
+
+
+@router.post("/tokenize")
+async def tokenize(body: TokenizeRequest, request: Request) -> dict:
+    ctx = ServerContext.of(request)
+    engine = ctx.require_engine()
+    if body.messages is not None:
+        dicts = [m.as_template_dict() for m in body.messages]
+        ids = await ctx.tokens.encode_chat(dicts, add_generation_prompt=body.add_generation_prompt)
+    else:
+        ids = list(await _encode_raw(ctx, body.prompt, body.add_special_tokens))
+    strs = [ctx.tokens.token_str(t) for t in ids] if body.return_token_strs else None
+    return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
+
+
+async def _encode_raw(ctx: ServerContext, text: str, add_special_tokens: bool) -> list[int]:
+    if not text:
+        return []
+    return await ctx.tokens.encode(text, add_special_tokens=add_special_tokens)
+
+
+@router.post("/detokenize")
+async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
+    ctx = ServerContext.of(request)
+    ctx.require_engine()
+    vocab = len(ctx.tokens.tok)
+    bad = [t for t in body.tokens if t >= vocab]
+    if bad:
+        raise APIError(400, f"token id {bad[0]} is outside the vocabulary (size {vocab})", param="tokens")
+    return {"prompt": await ctx.tokens.decode(body.tokens)}

@@ -1,0 +1,122 @@
+"""Stateful sequences (cellserve's own API): create, inspect, continue, fork, truncate, delete.
+
+A sequence is a persistent token history whose KV cells stay in the pool between requests, so a
+conversation continues without re-prefilling, and a fork shares its parent's cells (zero-copy).
+Guarantees: unknown ids are 404, a second generate on a busy sequence is 409 (both raised by the
+engine and mapped by `server.errors`); a continuation's output stays in the sequence; forking a
+busy sequence snapshots what it has generated so far (the engine does it at a tick boundary).
+Engine verbs that may wait for a tick boundary run in a worker thread, never on the event loop.
+"""
+
+import asyncio
+import time
+from typing import Any
+
+from fastapi import APIRouter, Body, Request
+from fastapi.responses import Response
+
+from server.context import ServerContext
+from server.generation import GenerationRun
+from server.params import sampling_params
+from server.protocol import ForkRequest, SequenceCompletionRequest, SequenceCreateRequest, TruncateRequest
+from server.routes_openai import COMPLETION_DEFAULT_MAX_TOKENS, new_id
+from server.serving import Formatter, serve
+
+router = APIRouter()
+
+
+def _epoch(monotonic_t: float) -> float:
+    """The engine stamps sequences with time.monotonic(); clients want wall-clock seconds."""
+    return round(time.time() - (time.monotonic() - monotonic_t), 3)
+
+
+def sequence_view(info: Any, text: str | None = None, with_tokens: bool = False) -> dict:
+    out = {
+        "id": info.seq_id,
+        "object": "sequence",
+        "length": info.length,
+        "status": info.status,
+        "parent": info.parent,
+        "cells": {"owned": info.cells_owned, "shared": info.cells_shared, "cached_tokens": info.n_cached},
+        "created": int(_epoch(info.created)),
+        "last_used": _epoch(info.last_used),
+    }
+    if with_tokens:
+        out["token_ids"] = list(info.token_ids)
+    if text is not None:
+        out["text"] = text
+    return out
+
+
+async def _prompt_ids(ctx: ServerContext, prompt: str | list[int] | None, messages: list | None,
+                      add_generation_prompt: bool, *, add_special_tokens: bool) -> list[int]:
+    if messages is not None:
+        dicts = [m.as_template_dict() for m in messages]
+        return await ctx.tokens.encode_chat(dicts, add_generation_prompt=add_generation_prompt)
+    if isinstance(prompt, str):
+        if not prompt:
+            return []
+        return await ctx.tokens.encode(prompt, add_special_tokens=add_special_tokens)
+    return list(prompt or [])
+
+
+@router.post("/v1/sequences")
+async def create_sequence(body: SequenceCreateRequest, request: Request) -> dict:
+    ctx = ServerContext.of(request)
+    engine = ctx.require_engine()
+    ids = await _prompt_ids(ctx, body.prompt, body.messages, body.add_generation_prompt, add_special_tokens=True)
+    if not ids:
+        ids = await ctx.tokens.encode("")  # BOS, or a 400 saying the model has none
+    info = await engine.create_sequence(ids)
+    return sequence_view(info)
+
+
+@router.get("/v1/sequences")
+async def list_sequences(request: Request) -> dict:
+    engine = ServerContext.of(request).require_engine()
+    return {"object": "list", "data": [sequence_view(i) for i in engine.list_sequences()]}
+
+
+@router.get("/v1/sequences/{seq_id}")
+async def get_sequence(seq_id: str, request: Request) -> dict:
+    ctx = ServerContext.of(request)
+    info = ctx.require_engine().sequence_info(seq_id)
+    text = await ctx.tokens.decode(info.token_ids)
+    return sequence_view(info, text=text, with_tokens=True)
+
+
+@router.post("/v1/sequences/{seq_id}/completions")
+async def sequence_completions(seq_id: str, body: SequenceCompletionRequest, request: Request) -> Response:
+    """Append the optional prompt/messages (no BOS: this continues a history), then generate into it."""
+    ctx = ServerContext.of(request)
+    engine = ctx.require_engine()
+    ids = await _prompt_ids(ctx, body.prompt, body.messages, body.add_generation_prompt, add_special_tokens=False)
+    max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
+    run = GenerationRun(engine, new_id("seqcmpl"), [ids], params, seq_id=seq_id, metrics=ctx.metrics)
+    fmt = Formatter(ctx, run, n=1, want_logprobs=body.logprobs is not None, include_usage=body.include_usage(),
+                    extra={"sequence_id": seq_id})
+    return await serve(request, ctx, run, fmt, stream=body.stream)
+
+
+OPTIONAL_FORK_BODY = Body(None)
+
+
+@router.post("/v1/sequences/{seq_id}/fork")
+async def fork_sequence(seq_id: str, request: Request, body: ForkRequest | None = OPTIONAL_FORK_BODY) -> dict:
+    engine = ServerContext.of(request).require_engine()
+    at = body.at if body is not None else None
+    return sequence_view(await asyncio.to_thread(engine.fork, seq_id, at))
+
+
+@router.post("/v1/sequences/{seq_id}/truncate")
+async def truncate_sequence(seq_id: str, body: TruncateRequest, request: Request) -> dict:
+    engine = ServerContext.of(request).require_engine()
+    return sequence_view(await asyncio.to_thread(engine.truncate, seq_id, body.length))
+
+
+@router.delete("/v1/sequences/{seq_id}")
+async def delete_sequence(seq_id: str, request: Request) -> dict:
+    engine = ServerContext.of(request).require_engine()
+    await asyncio.to_thread(engine.delete, seq_id)
+    return {"id": seq_id, "object": "sequence.deleted", "deleted": True}

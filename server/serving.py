@@ -1,0 +1,161 @@
+"""Turns a started `GenerationRun` into an HTTP response: one JSON body, or an SSE stream.
+
+Guarantees:
+- Non-streaming: the route waits for every choice while watching for the client to leave; if it
+  leaves, the engine requests are cancelled (cells freed at the next tick) and nothing is sent.
+- Streaming: chunks in OpenAI's shapes, `data: [DONE]` last; an engine failure mid-stream becomes a
+  `data: {"error": {...}}` event followed by `[DONE]`; a dropped client cancels the engine requests.
+- Both: the run is registered under its request id for `POST /v1/requests/{id}/cancel` while it
+  lives and unregistered after; the `X-Request-Id` header carries the id.
+"""
+
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.outputs import CompletionOutput
+from server import responses as R
+from server.context import ServerContext
+from server.errors import APIError, as_api_error, error_body
+from server.generation import ClientGone, GenerationRun, await_or_disconnect
+from server.sse import DONE, SSEResponse
+
+log = logging.getLogger("cellserve.server")
+
+
+class Formatter:
+    """How one endpoint shapes choices and chunks (completions vs chat)."""
+
+    chunk_object = "text_completion"
+
+    def __init__(self, ctx: ServerContext, run: GenerationRun, *, n: int, want_logprobs: bool,
+                 include_usage: bool = False, prefixes: list[str] | None = None, extra: dict | None = None):
+        self.ctx, self.run = ctx, run
+        self.want_logprobs = want_logprobs
+        self.include_usage = include_usage
+        self.created = R.now()
+        self.extra = extra or {}
+        self.states = {
+            (k, i): R.ChoiceState(index=k * n + i, prompt_index=k, prefix=(prefixes or [""] * len(run.prompts))[k])
+            for k in range(len(run.prompts)) for i in range(n)
+        }
+
+    def apply(self, k: int, co: CompletionOutput) -> R.ChoiceState:
+        st = self.states[(k, co.index)]
+        st.text += co.text
+        st.token_ids += co.token_ids
+        if co.logprobs:
+            st.logprobs += co.logprobs
+        if co.finish_reason:
+            st.finish_reason, st.stop_reason, st.error = co.finish_reason, co.stop_reason, co.error
+        return st
+
+    def usage(self) -> dict:
+        return R.usage(self.run.prompt_tokens(), sum(len(s.token_ids) for s in self.states.values()))
+
+    def ordered(self) -> list[R.ChoiceState]:
+        return sorted(self.states.values(), key=lambda s: s.index)
+
+    # completions shapes (ChatFormatter overrides)
+    def final(self) -> dict:
+        choices = [R.completion_choice(s, self.ctx.tokens.token_str, self.want_logprobs) for s in self.ordered()]
+        body = R.completion_response(self.run.request_id, self.created, self.ctx.model_name, choices, self.usage())
+        return {**body, **self.extra}
+
+    def opening_chunks(self) -> list[dict]:
+        return []
+
+    def delta_chunk(self, st: R.ChoiceState, co: CompletionOutput, first: bool) -> dict:
+        lp = None
+        if self.want_logprobs:
+            lp = R.completion_logprobs(co.logprobs or [], self.ctx.tokens.token_str, len(st.prefix) + st.lp_chars)
+            st.lp_chars += sum(len(t) for t in lp["tokens"])
+        text = (st.prefix if first else "") + co.text
+        choice = {"index": st.index, "text": text, "logprobs": lp, "finish_reason": co.finish_reason,
+                  "stop_reason": co.stop_reason}
+        return self._chunk([choice])
+
+    def _chunk(self, choices: list[dict]) -> dict:
+        out = R.chunk(self.chunk_object, self.run.request_id, self.created, self.ctx.model_name, choices,
+                      self.include_usage)
+        return {**out, **self.extra}
+
+
+class ChatFormatter(Formatter):
+    chunk_object = "chat.completion.chunk"
+
+    def final(self) -> dict:
+        choices = [R.chat_choice(s, self.ctx.tokens.token_str, self.want_logprobs) for s in self.ordered()]
+        return R.chat_response(self.run.request_id, self.created, self.ctx.model_name, choices, self.usage())
+
+    def opening_chunks(self) -> list[dict]:
+        return [self._chunk([{"index": s.index, "delta": {"role": "assistant", "content": ""},
+                              "logprobs": None, "finish_reason": None}]) for s in self.ordered()]
+
+    def delta_chunk(self, st: R.ChoiceState, co: CompletionOutput, first: bool) -> dict:
+        lp = R.chat_logprobs(co.logprobs or [], self.ctx.tokens.token_str) if self.want_logprobs else None
+        delta = {"content": co.text} if co.text or not co.finish_reason else {}
+        return self._chunk([{"index": st.index, "delta": delta, "logprobs": lp,
+                             "finish_reason": co.finish_reason, "stop_reason": co.stop_reason}])
+
+
+async def serve(request: Request, ctx: ServerContext, run: GenerationRun, fmt: Formatter, *,
+                stream: bool) -> Response:
+    """Start the run (typed engine errors become 4xx/5xx here) and answer in the asked-for mode."""
+    try:
+        await await_or_disconnect(request, run.start(), run.cancel)
+    except ClientGone:
+        return Response(status_code=499)
+    headers = {"X-Request-Id": run.request_id}
+    ctx.register(run)
+    if stream:
+        return SSEResponse(_stream(ctx, run, fmt), headers=headers)
+    try:
+        await await_or_disconnect(request, _collect(run, fmt), run.cancel)
+    except ClientGone:
+        return Response(status_code=499)
+    finally:
+        run.cancel()
+        await run.aclose()
+        ctx.unregister(run)
+    failed = [s for s in fmt.states.values() if s.finish_reason == "error"]
+    if failed:
+        raise APIError(500, f"generation failed: {failed[0].error or 'engine error'}", code="engine_error")
+    return JSONResponse(fmt.final(), headers=headers)
+
+
+async def _collect(run: GenerationRun, fmt: Formatter) -> None:
+    async for k, out in run.events():
+        for co in out.outputs:
+            fmt.apply(k, co)
+
+
+async def _stream(ctx: ServerContext, run: GenerationRun, fmt: Formatter) -> AsyncIterator:
+    try:
+        for c in fmt.opening_chunks():
+            yield c
+        started: set[tuple[int, int]] = set()
+        async for k, out in run.events():
+            for co in out.outputs:
+                first = (k, co.index) not in started
+                started.add((k, co.index))
+                st = fmt.apply(k, co)
+                if co.finish_reason == "error":
+                    yield error_body(500, f"generation failed: {co.error or 'engine error'}", code="engine_error")
+                    yield DONE
+                    return
+                if co.text or co.token_ids or co.finish_reason or (first and st.prefix):
+                    yield fmt.delta_chunk(st, co, first)
+        if fmt.include_usage:
+            yield R.usage_chunk(fmt.chunk_object, run.request_id, fmt.created, ctx.model_name, fmt.usage())
+    except Exception as exc:  # any failure must reach the client as an error event
+        err = as_api_error(exc)
+        if err.status >= 500:
+            log.exception("stream %s failed", run.request_id)
+        yield err.body()
+    finally:
+        run.cancel()
+        ctx.unregister(run)
+    yield DONE

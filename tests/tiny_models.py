@@ -70,3 +70,43 @@ def full_logits(model, token_ids) -> torch.Tensor:
     """The oracle: a cacheless forward over a whole token history, logits of every row."""
     with torch.no_grad():
         return model(torch.tensor([token_ids]), use_cache=False).logits[0].float()
+
+
+CORPUS = [
+    "ROMEO: But soft, what light through yonder window breaks?",
+    "JULIET: O Romeo, Romeo, wherefore art thou Romeo?",
+    "Naïve café déjà vu — 日本語のテキスト, emoji 🎉🚀 and ünïcödé.",
+    "The quick brown fox jumps over the lazy dog. 0123456789",
+]
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+def tiny_tokenizer():
+    """A byte-level BPE (any Unicode round-trips) with BOS/EOS and a chat template, trained offline."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+                                  special_tokens=["<|pad|>", "<|bos|>", "<|eos|>"])
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|bos|>", eos_token="<|eos|>",
+                                   pad_token="<|pad|>", chat_template=CHAT_TEMPLATE)
+
+
+def save_tiny_model_dir(path, seed: int = 0, max_positions: int = 512):
+    """A tiny seeded Llama (GQA) plus tokenizer saved as a Hugging Face folder; returns the path."""
+    tokenizer = tiny_tokenizer()
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id)
+    LlamaForCausalLM(config).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

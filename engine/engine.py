@@ -1,0 +1,360 @@
+"""Engine: one tick = one forward over every runnable sequence's tokens on one flat axis.
+
+The synchronous core. `step()` schedules a flat step, runs the model over the shared cells,
+samples every row that needs a token, detokenizes, and hands `RequestOutput` deltas to each
+request's `emit` callback. Commands (add, fork, cancel, delete, truncate) are plain method calls
+made between steps; `AsyncEngine` (engine/async_engine.py) runs this on a thread and queues the
+commands to the step boundary.
+"""
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+
+from engine.detok import IncrementalDetokenizer
+from engine.errors import InvalidRequest, PromptTooLong, QueueFull, SequenceBusy, SequenceNotFound
+from engine.outputs import CompletionOutput, EngineStats, RequestOutput, SequenceInfo, TokenLogprob
+from engine.runner import ModelRunner
+from engine.sampling import Sampler, SamplingParams, check_stop_token, make_generator
+from engine.scheduler import Chunk, Scheduler
+from engine.sequence import Request, SeqStatus, Sequence
+from engine.step import FlatStep, flatten_step
+
+log = logging.getLogger("cellserve.engine")
+
+
+@dataclass
+class EngineConfig:
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 512
+    max_queue: int = 1024
+    seq_ttl_s: float = 600.0
+
+
+def _new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:16]}"
+
+
+class Engine:
+    """Continuous batching over one cell pool. Not thread-safe: one caller (or the AsyncEngine loop).
+
+    Guarantees: a request that can never fit is refused at `add_request`; one failing forward
+    fails only the requests in that step; when every request has finished, been cancelled or
+    deleted, the pool's free cells return to their baseline (only idle persistent sequences keep
+    cells, and only until deleted, expired or evicted).
+    """
+
+    def __init__(self, runner: ModelRunner, config: EngineConfig | None = None):
+        self.runner = runner
+        self.config = config or EngineConfig()
+        self.cache = runner.cache
+        self.tokenizer = runner.tokenizer
+        self.scheduler = Scheduler(self.cache, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.sampler = Sampler()
+        self.requests: dict[str, Request] = {}
+        self.sequences: dict[str, Sequence] = {}  # persistent sequences by id
+        self.eos_ids = _eos_ids(runner)
+        self.vocab_size = runner.config.get_text_config().vocab_size
+        self.steps = self.generated_tokens = self.prompt_tokens = 0
+
+    # ----- requests --------------------------------------------------------------------------
+    def add_request(self, request_id, prompt_ids, params: SamplingParams, emit=None, seq_id=None) -> Request:
+        """Queue a generation. With `seq_id`, `prompt_ids` are appended to that persistent sequence
+        and the output stays in it. Raises (changing nothing) if it cannot be served."""
+        if request_id in self.requests:
+            raise InvalidRequest(f"request id {request_id!r} is already in flight", "request_id")
+        seq = self._persistent(seq_id) if seq_id is not None else None
+        if seq is not None and seq.request is not None:
+            raise SequenceBusy(f"sequence {seq_id} is already generating; wait or cancel it")
+        if seq is not None and params.n != 1:
+            raise InvalidRequest("n must be 1 when continuing a sequence; fork it for more branches", "n")
+        if seq is None and not prompt_ids:
+            raise InvalidRequest("the prompt is empty: give at least one token", "prompt")
+        self._check_tokens(prompt_ids)
+        params.check_vocab(self.vocab_size)
+        history = (seq.token_ids if seq else []) + list(prompt_ids)
+        self._check_fits(len(history), params.max_tokens, params.n)
+        self._check_queue()
+        req = Request(request_id, list(prompt_ids), params, emit or (lambda out: None))
+        if seq is None:
+            seq = Sequence(_new_id("gen"), list(prompt_ids))
+        else:
+            seq.token_ids.extend(prompt_ids)
+            req.persistent_seq = seq
+        self._start(req, seq, 0)
+        req.children_pending = params.n - 1
+        self.requests[request_id] = req
+        self.prompt_tokens += len(prompt_ids)
+        return req
+
+    def create_sequence(self, prompt_ids, emit=None) -> tuple[Sequence, Request]:
+        """A new persistent sequence, prefilled as soon as it is scheduled (a prefill-only request)."""
+        if not prompt_ids:
+            raise InvalidRequest("the prompt is empty: give at least one token", "prompt")
+        self._check_tokens(prompt_ids)
+        self._check_fits(len(prompt_ids), 0, 1)
+        self._check_queue()
+        seq = Sequence(_new_id("seq"), list(prompt_ids), persistent=True)
+        req = Request(_new_id("prefill"), list(prompt_ids), SamplingParams(max_tokens=0), emit or (lambda o: None),
+                      prefill_only=True, persistent_seq=seq)
+        self.sequences[seq.seq_id] = seq
+        self.requests[req.request_id] = req
+        self._start(req, seq, 0)
+        return seq, req
+
+    def cancel(self, request_id: str) -> bool:
+        """Stop a request now; its cells are released. Unknown or finished ids are harmless."""
+        req = self.requests.get(request_id)
+        if req is None:
+            return False
+        for seq in req.live():
+            self._finish_seq(seq, "cancelled")
+        self._emit(req, {})
+        return True
+
+    # ----- persistent sequences --------------------------------------------------------------
+    def fork(self, seq_id: str, at: int | None = None) -> Sequence:
+        """A new persistent sequence sharing `seq_id`'s first `at` tokens (all if None) and their cells."""
+        parent = self._persistent(seq_id)
+        at = len(parent.token_ids) if at is None else at
+        if not 1 <= at <= len(parent.token_ids):
+            raise InvalidRequest(f"fork at={at} is outside [1, {len(parent.token_ids)}]", "at")
+        child = Sequence(_new_id("seq"), parent.token_ids[:at], persistent=True, parent=seq_id)
+        share = min(parent.n_cached, at - 1)
+        if parent.slot is not None and share > 0 and self.scheduler.acquire_slot(child):
+            self.cache.seq_cp(parent.slot, child.slot, upto=share)
+            child.n_cached = share
+        self.sequences[child.seq_id] = child
+        return child
+
+    def truncate(self, seq_id: str, length: int) -> Sequence:
+        seq = self._persistent(seq_id)
+        if seq.request is not None:
+            raise SequenceBusy(f"sequence {seq_id} is generating; cancel it before truncating")
+        if not 1 <= length <= len(seq.token_ids):
+            raise InvalidRequest(f"length={length} is outside [1, {len(seq.token_ids)}]", "length")
+        del seq.token_ids[length:]
+        if seq.n_cached > length - 1:
+            self.cache.seq_rm(seq.slot, length - 1)
+            seq.n_cached = length - 1
+        seq.last_used = time.monotonic()
+        return seq
+
+    def delete(self, seq_id: str) -> None:
+        seq = self._persistent(seq_id)
+        if seq.request is not None:
+            self.cancel(seq.request.request_id)
+        self.scheduler.release(seq)
+        del self.sequences[seq_id]
+
+    def sequence_info(self, seq_id: str) -> SequenceInfo:
+        seq = self._persistent(seq_id)
+        owned = self.cache.seq_len(seq.slot) if seq.slot is not None else 0
+        shared = self.cache.shared_cells(seq.slot) if seq.slot is not None else 0
+        return SequenceInfo(seq.seq_id, len(seq.token_ids), list(seq.token_ids), seq.status.value, seq.parent,
+                            seq.n_cached, owned, shared, seq.created, seq.last_used)
+
+    # ----- the tick --------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    def step(self) -> list[RequestOutput]:
+        """Run one tick; return the outputs emitted during it."""
+        outputs: list[RequestOutput] = []
+        chunks = self.scheduler.schedule()
+        self._finish_idle_prefills(outputs)
+        if not chunks:
+            return outputs
+        sample_chunks = [c for c in chunks if c.completes and c.seq.wants_logits]
+        flat = _flatten(chunks, sample_chunks)
+        try:
+            logits = self.runner.forward(*flat)
+        except Exception as exc:  # one bad step fails its requests, never the engine
+            log.exception("forward failed; failing the %d sequences of this step", len(chunks))
+            self._fail_step(chunks, exc, outputs)
+            return outputs
+        self.steps += 1
+        for c in chunks:
+            c.seq.n_cached += c.n_tokens
+            c.seq.last_used = time.monotonic()
+        if sample_chunks:
+            self._sample(sample_chunks, logits, outputs)
+        self._finish_idle_prefills(outputs)
+        return outputs
+
+    # ----- internals -------------------------------------------------------------------------
+    def _start(self, req: Request, seq: Sequence, index: int) -> None:
+        seq.request, seq.index, seq.gen_start = req, index, len(seq.token_ids)
+        seq.finish_reason = seq.error = None
+        seq.params = req.params.for_child(index) if index else req.params
+        seq.generator = None if seq.params.greedy else make_generator(seq.params)
+        seq.detok = None
+        if self.tokenizer is not None and not req.prefill_only:
+            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, stop=req.params.stop)
+        req.seqs.append(seq)
+        self.scheduler.remove(seq)
+        self.scheduler.enqueue(seq)
+
+    def _sample(self, chunks: list[Chunk], logits, outputs) -> None:
+        rows, seqs = [], []
+        for i, c in enumerate(chunks):
+            for seq in [c.seq, *self._spawn_children(c.seq)]:
+                rows.append(i)
+                seqs.append(seq)
+        result = self.sampler(logits[rows], [s.params for s in seqs], [s.generator for s in seqs],
+                              [s.output_ids for s in seqs], [s.token_ids[: s.gen_start] for s in seqs])
+        news: dict[Request, dict[int, CompletionOutput]] = {}
+        for k, seq in enumerate(seqs):
+            lp = None
+            if result.logprobs[k] is not None:
+                lp = TokenLogprob(result.token_ids[k], result.logprobs[k], result.top_logprobs[k] or [])
+            req = seq.request  # _append may finish the sequence and clear it
+            news.setdefault(req, {})[seq.index] = self._append(seq, result.token_ids[k], lp)
+        self.generated_tokens += len(seqs)
+        for req, choices in news.items():
+            outputs.append(self._emit(req, choices))
+
+    def _spawn_children(self, parent: Sequence) -> list[Sequence]:
+        """n > 1: the prompt was prefilled once; fork n-1 children that share its cells."""
+        req = parent.request
+        if not req.children_pending:
+            return []
+        children = []
+        for i in range(1, req.children_pending + 1):
+            child = Sequence(_new_id("gen"), list(parent.token_ids))
+            self._start(req, child, i)
+            if self.scheduler.acquire_slot(child):
+                self.cache.seq_cp(parent.slot, child.slot)
+                child.n_cached = parent.n_cached
+                self.scheduler.remove(child)
+                self.scheduler.add_running(child)
+            children.append(child)
+        req.children_pending = 0
+        return children
+
+    def _append(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> CompletionOutput:
+        req = seq.request
+        seq.token_ids.append(token)
+        if req.timing.first_token is None:
+            req.timing.first_token = time.monotonic()
+        out = CompletionOutput(seq.index, [token], logprobs=[lp] if lp else None)
+        stop = check_stop_token(seq.params, token, seq.num_generated, self.eos_ids)
+        if seq.detok is not None:
+            if stop is None or stop[0] != "stop":  # EOS and stop-token ids carry no text
+                out.text = seq.detok.push(token)
+            if seq.detok.stopped:
+                stop = ("stop", seq.detok.stop_reason)
+            elif stop is not None:
+                out.text += seq.detok.flush()
+        if stop is not None:
+            out.finish_reason, out.stop_reason = stop
+            self._finish_seq(seq, stop[0])
+        return out
+
+    def _emit(self, req: Request, choices: dict[int, CompletionOutput]) -> RequestOutput:
+        for seq in req.seqs:
+            if seq.index not in choices and seq.request is None and seq.index not in req.reported:
+                choices[seq.index] = CompletionOutput(seq.index, finish_reason=seq.finish_reason, error=seq.error)
+        req.reported.update(i for i, c in choices.items() if c.finish_reason)
+        finished = not req.live()
+        if finished and not req.finished:
+            req.finished = True
+            req.timing.finished = time.monotonic()
+            self.requests.pop(req.request_id, None)
+        seq_id = req.persistent_seq.seq_id if req.persistent_seq else None
+        out = RequestOutput(req.request_id, sorted(choices.values(), key=lambda c: c.index), req.prompt_ids,
+                            finished, seq_id, req.timing, req.num_generated)
+        req.emit(out)
+        return out
+
+    def _finish_seq(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        seq.finish_reason, seq.error = reason, error
+        seq.request = None
+        self.scheduler.remove(seq)
+        if seq.persistent:
+            seq.status = SeqStatus.IDLE
+            seq.last_used = time.monotonic()
+            if seq.n_cached > len(seq.token_ids) - 1:  # keep the last token uncached (see Sequence)
+                self.cache.seq_rm(seq.slot, len(seq.token_ids) - 1)
+                seq.n_cached = len(seq.token_ids) - 1
+        else:
+            self.scheduler.release(seq)
+            seq.status = SeqStatus.FINISHED
+
+    def _finish_idle_prefills(self, outputs) -> None:
+        """Prefill-only requests (sequence create) end once their cache target is reached."""
+        for seq in list(self.scheduler.running):
+            req = seq.request
+            if req is not None and req.prefill_only and seq.n_cached >= seq.cache_target():
+                self._finish_seq(seq, "stop")
+                outputs.append(self._emit(req, {}))
+
+    def _fail_step(self, chunks: list[Chunk], exc: Exception, outputs) -> None:
+        failed = {c.seq.request for c in chunks if c.seq.request is not None}
+        for req in failed:
+            for seq in req.live():
+                self._finish_seq(seq, "error", f"{type(exc).__name__}: {exc}")
+            outputs.append(self._emit(req, {}))
+
+    def _persistent(self, seq_id: str) -> Sequence:
+        seq = self.sequences.get(seq_id)
+        if seq is None:
+            raise SequenceNotFound(f"no sequence {seq_id!r}: it was deleted, expired, or never existed")
+        return seq
+
+    def _check_tokens(self, ids) -> None:
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})", "prompt")
+
+    def _check_fits(self, n_prompt: int, max_tokens: int, n: int) -> None:
+        limit = self.runner.max_model_len
+        if n_prompt + max_tokens > limit:
+            raise PromptTooLong(
+                f"{n_prompt} prompt tokens + max_tokens {max_tokens} exceed the model's context of {limit} tokens; "
+                "shorten the prompt or lower max_tokens", "max_tokens" if n_prompt < limit else "prompt")
+        if n_prompt + n * max_tokens > self.cache.n_cells:
+            raise PromptTooLong(
+                f"{n_prompt} prompt tokens + {n} x max_tokens {max_tokens} exceed the whole cell pool "
+                f"({self.cache.n_cells} cells); shorten the request or start the server with more cells", "prompt")
+
+    def _check_queue(self) -> None:
+        if len(self.scheduler.waiting) >= self.config.max_queue:
+            raise QueueFull(f"the waiting queue is full ({self.config.max_queue} requests); retry shortly")
+
+    def expire_idle(self, now: float | None = None) -> list[str]:
+        """Delete persistent sequences idle for longer than the TTL; return their ids."""
+        now = time.monotonic() if now is None else now
+        expired = [s.seq_id for s in self.sequences.values()
+                   if s.request is None and now - s.last_used > self.config.seq_ttl_s]
+        for seq_id in expired:
+            self.delete(seq_id)
+        return expired
+
+    def stats(self) -> EngineStats:
+        sched = self.scheduler
+        idle = sum(1 for s in self.sequences.values() if s.request is None)
+        used = self.cache.used_cells()
+        return EngineStats(self.cache.n_cells, used, self.cache.n_cells - used, self.cache.read_len,
+                           len(sched.running), len(sched.waiting), idle, sched.preemptions,
+                           self.generated_tokens, self.prompt_tokens, self.steps)
+
+
+def _flatten(chunks: list[Chunk], sample_chunks: list[Chunk]) -> FlatStep:
+    """The flat step, keeping logits only for the chunks that sample (at least one row: 0 means all)."""
+    step = flatten_step({c.seq.slot: (c.token_ids, c.start) for c in chunks})
+    pick = [i for i, c in enumerate(chunks) if c in sample_chunks] or [0]
+    step.logits_indices = step.logits_indices[pick]
+    return step
+
+
+def _eos_ids(runner: ModelRunner) -> list[int]:
+    ids: set[int] = set()
+    gen = getattr(runner.model, "generation_config", None)
+    for src in (getattr(gen, "eos_token_id", None), getattr(runner.tokenizer, "eos_token_id", None)):
+        if isinstance(src, int):
+            ids.add(src)
+        elif src:
+            ids.update(src)
+    return sorted(ids)

@@ -1,0 +1,93 @@
+"""LLM: the offline batch API over the same Engine the server drives.
+
+    llm = LLM()                      # the bundled default model
+    outs = llm.generate(["ROMEO:"], SamplingParams(max_tokens=32, temperature=0))
+    print(outs[0].outputs[0].text)
+"""
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from engine.engine import Engine, EngineConfig
+from engine.outputs import RequestOutput, TokenLogprob
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams
+
+
+@dataclass
+class Completion:
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class LLMOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[Completion]
+
+
+class LLM:
+    """Runs many prompts to completion with continuous batching; returns outputs in prompt order."""
+
+    def __init__(self, model: str | Path | None = None, *, runner: ModelRunner | None = None,
+                 dtype: torch.dtype = torch.float32, n_cells: int | None = None, threads: int | None = None,
+                 attention: str = "fast", max_num_seqs: int = 256, max_num_batched_tokens: int = 512):
+        if runner is None:
+            if model is None:
+                from engine.models import DEFAULT_MODEL_DIR
+
+                model = DEFAULT_MODEL_DIR
+            runner = ModelRunner.from_pretrained(model, dtype=dtype, n_cells=n_cells, threads=threads,
+                                                 attention=attention, max_seqs=max(256, 2 * max_num_seqs))
+        config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                              max_queue=1 << 30)
+        self.engine = Engine(runner, config)
+        self.tokenizer = runner.tokenizer
+
+    def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[LLMOutput]:
+        """`prompts`: strings or token-id lists. One SamplingParams for all, or one per prompt."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        params = params or SamplingParams()
+        per_prompt = params if isinstance(params, list) else [params] * len(prompts)
+        if len(per_prompt) != len(prompts):
+            raise ValueError(f"{len(prompts)} prompts but {len(per_prompt)} SamplingParams: give one or one each")
+        results = []
+        for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
+            out = LLMOutput(str(i), prompt if isinstance(prompt, str) else None, ids,
+                            [Completion(k) for k in range(p.n)])
+            self.engine.add_request(str(i), ids, p, _accumulator(out))
+            results.append(out)
+        bar = tqdm(total=len(prompts), disable=not use_tqdm, desc="generate", unit="req")
+        done = 0
+        while self.engine.has_unfinished():
+            finished = sum(o.finished for o in self.engine.step())
+            done += finished
+            bar.update(finished)
+        bar.close()
+        return results
+
+
+def _accumulator(out: LLMOutput):
+    def emit(delta: RequestOutput) -> None:
+        for c in delta.outputs:
+            acc = out.outputs[c.index]
+            acc.token_ids += c.token_ids
+            acc.text += c.text
+            if c.logprobs:
+                acc.logprobs = (acc.logprobs or []) + c.logprobs
+            acc.finish_reason = c.finish_reason or acc.finish_reason
+            acc.stop_reason = c.stop_reason if c.stop_reason is not None else acc.stop_reason
+
+    return emit

@@ -1,0 +1,100 @@
+"""Sequence and Request: what the scheduler moves around.
+
+A `Sequence` owns a cell slot while it holds cells, its token ids (the truth) and `n_cached`, how
+many of those tokens have cells. Its cells always hold exactly positions `[0, n_cached)`, so
+dropping them (eviction, preemption) loses nothing: the sequence re-prefills and continues with
+the same output. A `Request` is one generation call: one sequence per choice (`n > 1` forks
+children off the prompt), the sampling params, and where its outputs go.
+"""
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.outputs import RequestOutput, Timing
+from engine.sampling import SamplingParams
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"  # wants to run, holds no slot in this step's running set yet
+    RUNNING = "running"  # admitted: prefilling or decoding
+    IDLE = "idle"  # persistent, not generating; may still hold cells
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Sequence:
+    seq_id: str
+    token_ids: list[int]
+    persistent: bool = False
+    parent: str | None = None
+    slot: int | None = None
+    n_cached: int = 0
+    status: SeqStatus = SeqStatus.IDLE
+    request: "Request | None" = None
+    index: int = 0  # choice index within its request
+    gen_start: int = 0  # len(token_ids) when the current request started: output = token_ids[gen_start:]
+    params: SamplingParams | None = None  # this choice's params (seed + index for n > 1)
+    generator: torch.Generator | None = None
+    finish_reason: str | None = None
+    error: str | None = None
+    detok: object | None = None
+    created: float = field(default_factory=time.time)
+    last_used: float = field(default_factory=time.monotonic)
+    admitted_at: float = 0.0  # monotonic order of admission, for "preempt the newest"
+
+    @property
+    def pending(self) -> int:
+        """Tokens that still need cells."""
+        return len(self.token_ids) - self.n_cached
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.gen_start :]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.gen_start
+
+    @property
+    def wants_logits(self) -> bool:
+        """A generating sequence samples when a chunk caches its last token; a prefill-only one never."""
+        return self.request is not None and not self.request.prefill_only
+
+    def cache_target(self) -> int:
+        """How many tokens this sequence should have cells for before it is done with its prefill.
+
+        Idle sequences keep their last token uncached: generating from them then needs the logits of
+        that token, which a 1-token forward produces.
+        """
+        if self.request is not None and self.request.prefill_only:
+            return len(self.token_ids) - 1
+        return len(self.token_ids)
+
+
+@dataclass(eq=False)
+class Request:
+    """One generation call (or a prefill-only `create`), possibly with `n` choices."""
+
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    emit: Callable[[RequestOutput], None]
+    seqs: list[Sequence] = field(default_factory=list)
+    prefill_only: bool = False
+    persistent_seq: Sequence | None = None  # set when the request runs on a persistent sequence
+    children_pending: int = 0  # n - 1 forks to make once the prompt is prefilled
+    timing: Timing = field(default_factory=lambda: Timing(queued=time.monotonic()))
+    finished: bool = False
+    reported: set[int] = field(default_factory=set)  # choice indices whose finish was emitted
+
+    @property
+    def num_generated(self) -> int:
+        return sum(s.num_generated for s in self.seqs)
+
+    def live(self) -> list[Sequence]:
+        """Choices still generating for this request (a finished choice drops its `request`)."""
+        return [s for s in self.seqs if s.request is self]

@@ -117,13 +117,14 @@ class ServerContext:
         if self.runs.get(run.request_id) is run:
             del self.runs[run.request_id]
 
-    def cancel_request(self, request_id: str) -> bool:
+    async def cancel_request(self, request_id: str) -> None:
+        """Cancel a registered run (all its engine requests), else ask the engine (RequestNotFound if unknown)."""
         run = self.runs.get(request_id)
         if run is not None:
             run.cancel()
-            return True
-        return bool(self.engine.cancel(request_id)) if self.engine is not None else False
+        else:
+            await self.engine.cancel(request_id)
 
 
 def _is_engine(obj: Any) -> bool:
-    return hasattr(obj, "generate") and hasattr(obj, "tokenizer")
+    return hasattr(obj, "submit") and hasattr(obj, "tokenizer")

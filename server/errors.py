@@ -140,12 +140,12 @@ def install_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        message = str(exc.detail)
+        message, code = str(exc.detail), None
         if exc.status_code == 404:
-            message = f"no route {request.method} {request.url.path}; see GET /docs for the API"
+            message, code = f"no route {request.method} {request.url.path}; see GET /docs for the API", "not_found"
         elif exc.status_code == 405:
-            message = f"method {request.method} is not allowed on {request.url.path}"
-        return _respond(request, APIError(exc.status_code, message))
+            message, code = f"method {request.method} is not allowed on {request.url.path}", "method_not_allowed"
+        return _respond(request, APIError(exc.status_code, message, code=code))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

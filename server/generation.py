@@ -4,9 +4,8 @@ A completion with several prompts becomes one engine request per prompt (ids `<i
 ...; a single prompt keeps `<id>` itself); `n` choices per prompt are the engine's business (it
 prefills once and forks). `GenerationRun` guarantees:
 - `start()` either admits every engine request or raises the engine's typed error (QueueFull,
-  PromptTooLong, SequenceBusy, ...) after cancelling the ones it had started, so a refused HTTP
-  request leaves nothing behind. It waits for each request's first output, so an engine whose
-  refusals surface on the first `anext` is handled the same as one that raises at call time.
+  PromptTooLong, SequenceBusy, ...) after cancelling the ones it had submitted, so a refused HTTP
+  request leaves nothing behind.
 - `events()` yields `(prompt_index, RequestOutput)` in arrival order, per-request order preserved.
 - `cancel()` is idempotent and cancels only requests that have not finished; every route calls it in
   a `finally`, so a dropped client or an exception frees the request's cells at the next tick.
@@ -40,25 +39,20 @@ class GenerationRun:
         self.engine_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{k}" for k in range(len(prompts))]
         self._metrics = metrics
         self._streams: list[AsyncIterator[RequestOutput]] = []
-        self._first: list[RequestOutput] = []
+        self._attempted = 0
         self._finished: set[int] = set()
 
     async def start(self) -> None:
+        """Submit every engine request; on any refusal (or our own cancellation) cancel the others."""
         try:
             for rid, ids in zip(self.engine_ids, self.prompts):
-                kwargs = {"seq_id": self.seq_id} if self.seq_id is not None else {}
-                stream = self.engine.generate(rid, ids, self.params, **kwargs)
-                self._streams.append(stream)
-                self._first.append(await anext(stream))
+                self._attempted += 1  # counted before the await: a cancelled submit may still land
+                self._streams.append(await self.engine.submit(rid, ids, self.params, seq_id=self.seq_id))
         except BaseException:
             self.cancel()
-            await self.aclose()
             raise
 
     def prompt_tokens(self) -> int:
-        """Prompt tokens as the engine counted them (a sequence's whole context), else ours."""
-        if self._first and all(o.prompt_token_ids for o in self._first):
-            return sum(len(o.prompt_token_ids) for o in self._first)
         return sum(len(p) for p in self.prompts)
 
     async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
@@ -94,38 +88,24 @@ class GenerationRun:
 
     async def _one(self, k: int) -> AsyncIterator[RequestOutput]:
         observer = RequestObserver(self._metrics)
-        out = self._first[k]
-        while True:
+        async for out in self._streams[k]:
             observer.observe(out)
             if out.finished:
                 self._finished.add(k)
             yield out
-            if out.finished:
-                return
-            try:
-                out = await anext(self._streams[k])
-            except StopAsyncIteration:
-                self._finished.add(k)
-                return
+        self._finished.add(k)
 
     @property
     def done(self) -> bool:
         return len(self._finished) == len(self.engine_ids)
 
-    def cancel(self) -> bool:
-        """Cancel every unfinished engine request; True if anything was still running."""
-        hit = False
-        for k, rid in enumerate(self.engine_ids):
-            if k not in self._finished:
-                hit = bool(self.engine.cancel(rid)) or hit
-        return hit
+    def cancel(self) -> None:
+        """Cancel (at the engine's next tick) every submitted engine request that has not finished.
 
-    async def aclose(self) -> None:
-        for stream in self._streams:
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                with contextlib.suppress(Exception):
-                    await aclose()
+        Queued after the submits, so it lands after them even if a submit was still in flight."""
+        for k in range(self._attempted):
+            if k not in self._finished:
+                self.engine.cancel_nowait(self.engine_ids[k])
 
 
 async def await_or_disconnect(request: Request, work: Awaitable, on_disconnect) -> Any:

@@ -55,7 +55,7 @@ async def cache(request: Request) -> dict:
         "read_len": s.read_len,
         "requests": {"running": s.running, "waiting": s.waiting},
         "preemptions": s.preemptions,
-        "sequences": [sequence_view(i) for i in engine.list_sequences()],
+        "sequences": [sequence_view(i) for i in await engine.list_sequences()],
     }
 
 
@@ -63,9 +63,11 @@ async def cache(request: Request) -> dict:
 async def cancel_request(request_id: str, request: Request) -> dict:
     ctx = ServerContext.of(request)
     ctx.require_engine()
-    if not ctx.cancel_request(request_id):
+    try:
+        await ctx.cancel_request(request_id)
+    except RequestNotFound as exc:
         raise RequestNotFound(f"no in-flight request {request_id!r}; it may have finished already (ids come "
-                              "from a response's `id` field or X-Request-Id header)", param="request_id")
+                              "from a response's `id` field or its X-Request-Id header)", param="request_id") from exc
     return {"id": request_id, "object": "request.cancelled", "cancelled": True}
 
 

@@ -5,10 +5,9 @@ conversation continues without re-prefilling, and a fork shares its parent's cel
 Guarantees: unknown ids are 404, a second generate on a busy sequence is 409 (both raised by the
 engine and mapped by `server.errors`); a continuation's output stays in the sequence; forking a
 busy sequence snapshots what it has generated so far (the engine does it at a tick boundary).
-Engine verbs that may wait for a tick boundary run in a worker thread, never on the event loop.
+Every engine verb is a command the engine applies at its next step boundary; routes await it.
 """
 
-import asyncio
 import time
 from typing import Any
 
@@ -26,7 +25,7 @@ router = APIRouter()
 
 
 def _epoch(monotonic_t: float) -> float:
-    """The engine stamps sequences with time.monotonic(); clients want wall-clock seconds."""
+    """`last_used` is a time.monotonic() stamp (TTL arithmetic); clients want wall-clock seconds."""
     return round(time.time() - (time.monotonic() - monotonic_t), 3)
 
 
@@ -38,7 +37,7 @@ def sequence_view(info: Any, text: str | None = None, with_tokens: bool = False)
         "status": info.status,
         "parent": info.parent,
         "cells": {"owned": info.cells_owned, "shared": info.cells_shared, "cached_tokens": info.n_cached},
-        "created": int(_epoch(info.created)),
+        "created": int(info.created),  # already wall-clock (time.time())
         "last_used": _epoch(info.last_used),
     }
     if with_tokens:
@@ -74,13 +73,13 @@ async def create_sequence(body: SequenceCreateRequest, request: Request) -> dict
 @router.get("/v1/sequences")
 async def list_sequences(request: Request) -> dict:
     engine = ServerContext.of(request).require_engine()
-    return {"object": "list", "data": [sequence_view(i) for i in engine.list_sequences()]}
+    return {"object": "list", "data": [sequence_view(i) for i in await engine.list_sequences()]}
 
 
 @router.get("/v1/sequences/{seq_id}")
 async def get_sequence(seq_id: str, request: Request) -> dict:
     ctx = ServerContext.of(request)
-    info = ctx.require_engine().sequence_info(seq_id)
+    info = await ctx.require_engine().sequence_info(seq_id)
     text = await ctx.tokens.decode(info.token_ids)
     return sequence_view(info, text=text, with_tokens=True)
 
@@ -106,17 +105,17 @@ OPTIONAL_FORK_BODY = Body(None)
 async def fork_sequence(seq_id: str, request: Request, body: ForkRequest | None = OPTIONAL_FORK_BODY) -> dict:
     engine = ServerContext.of(request).require_engine()
     at = body.at if body is not None else None
-    return sequence_view(await asyncio.to_thread(engine.fork, seq_id, at))
+    return sequence_view(await engine.fork(seq_id, at))
 
 
 @router.post("/v1/sequences/{seq_id}/truncate")
 async def truncate_sequence(seq_id: str, body: TruncateRequest, request: Request) -> dict:
     engine = ServerContext.of(request).require_engine()
-    return sequence_view(await asyncio.to_thread(engine.truncate, seq_id, body.length))
+    return sequence_view(await engine.truncate(seq_id, body.length))
 
 
 @router.delete("/v1/sequences/{seq_id}")
 async def delete_sequence(seq_id: str, request: Request) -> dict:
     engine = ServerContext.of(request).require_engine()
-    await asyncio.to_thread(engine.delete, seq_id)
+    await engine.delete(seq_id)
     return {"id": seq_id, "object": "sequence.deleted", "deleted": True}

@@ -118,7 +118,6 @@ async def serve(request: Request, ctx: ServerContext, run: GenerationRun, fmt: F
         return Response(status_code=499)
     finally:
         run.cancel()
-        await run.aclose()
         ctx.unregister(run)
     failed = [s for s in fmt.states.values() if s.finish_reason == "error"]
     if failed:

@@ -1,0 +1,120 @@
+"""A real cellserve HTTP server for tests: a real AsyncEngine over a tiny seeded model, served by uvicorn
+on 127.0.0.1 (a socket bound to a free port before the server starts, so there is no port race).
+
+The server runs in a background thread with its own event loop; tests talk to it only over HTTP
+(httpx, the `openai` SDK), exactly as a remote client would. Nothing is mocked.
+"""
+
+import socket
+import threading
+import time
+from typing import Self
+
+import httpx
+import pytest
+import uvicorn
+from tiny_models import save_tiny_model_dir
+
+from engine.async_engine import AsyncEngine
+from server.app import build_app
+
+MODEL_NAME = "tiny-llama"
+API_KEY = "sk-test-key"
+
+
+@pytest.fixture(scope="session")
+def model_dir(tmp_path_factory) -> str:
+    """A tiny seeded Llama + byte-level BPE tokenizer with a chat template, saved once per session."""
+    return str(save_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"), seed=0, max_positions=512))
+
+
+class Greedy:
+    """From-scratch greedy completions with the offline `LLM` (the reference the server must match)."""
+
+    def __init__(self, model_dir: str):
+        from engine.llm import LLM
+
+        self.llm = LLM(model=model_dir, n_cells=2048)
+        self.tokenizer = self.llm.tokenizer
+
+    def __call__(self, prompt_ids: list[int], max_tokens: int, **kw):
+        from engine.sampling import SamplingParams
+
+        params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
+        return self.llm.generate([list(prompt_ids)], params, use_tqdm=False)[0].outputs[0]
+
+
+class LiveServer:
+    """`with LiveServer(model_dir, n_cells=...) as srv:` -> srv.url, srv.client(), srv.cache()."""
+
+    def __init__(self, model_dir: str, *, api_key: str | None = None, grace_s: float = 2.0, factory=None,
+                 **engine_kw):
+        """`factory`: build the engine lazily through it instead (the app loads it in the background)."""
+        engine_kw.setdefault("n_cells", 2048)
+        self.engine = None if factory else AsyncEngine.from_pretrained(model_dir, **engine_kw)
+        self.app = build_app(factory or self.engine, served_model_name=MODEL_NAME, api_key=api_key,
+                             shutdown_grace_s=grace_s)
+        self.ctx = self.app.state.ctx
+        self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=int(grace_s) + 1)
+        self.server = uvicorn.Server(config)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+
+    def __enter__(self) -> Self:
+        self.thread.start()
+        deadline = time.monotonic() + 60
+        while not self.server.started:
+            if not self.thread.is_alive() or time.monotonic() > deadline:
+                raise RuntimeError("the test server did not start; see the log above")
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.should_exit = True
+        self.thread.join(30)
+        self.sock.close()
+
+    def client(self, **kw) -> httpx.Client:
+        return httpx.Client(base_url=self.url, headers=self.headers, timeout=60, **kw)
+
+    def async_client(self, **kw) -> httpx.AsyncClient:
+        return httpx.AsyncClient(base_url=self.url, headers=self.headers, timeout=60, **kw)
+
+    def cache(self) -> dict:
+        with self.client() as c:
+            return c.get("/v1/cache").raise_for_status().json()
+
+    def wait_cells_used(self, expected: int, timeout: float = 1.0) -> int:
+        """Poll /v1/cache until `cells.used == expected` (or the timeout); return the last value."""
+        deadline = time.monotonic() + timeout
+        used = self.cache()["cells"]["used"]
+        while used != expected and time.monotonic() < deadline:
+            time.sleep(0.02)
+            used = self.cache()["cells"]["used"]
+        return used
+
+    def wait_idle(self, timeout: float = 10.0) -> dict:
+        """Poll until nothing runs or waits; return the last /v1/cache body."""
+        deadline = time.monotonic() + timeout
+        body = self.cache()
+        while (body["requests"]["running"] or body["requests"]["waiting"]) and time.monotonic() < deadline:
+            time.sleep(0.02)
+            body = self.cache()
+        return body
+
+
+def sse_events(lines) -> list:
+    """Parse `data: ...` lines of an SSE body into JSON objects (and the string '[DONE]')."""
+    import json
+
+    out = []
+    for line in lines:
+        if line.startswith("data: "):
+            data = line[len("data: "):]
+            out.append(data if data == "[DONE]" else json.loads(data))
+    return out

@@ -1,0 +1,179 @@
+"""`cellserve bench engine`: offline engine throughput, side by side with transformers in one run.
+
+For each concurrency level C, C requests (random `--prompt-len` token prompts, `--output-len`
+greedy tokens, EOS ignored) are submitted at once and run to completion by:
+- cellserve's Engine (continuous batching over the cell pool);
+- transformers' own continuous batching (`model.generate_batch`), if `--hf-cb`;
+- sequential `model.generate`, one request after another (measured on a few requests, as tokens/s).
+It prints the command, the machine and generated tokens/s with ratios against the baselines, and
+the share of each step spent outside the model forward (scheduling, planning, sampling, detok).
+"""
+
+import argparse
+import json
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from engine.engine import Engine, EngineConfig
+from engine.runner import ModelRunner
+from engine.sampling import SamplingParams
+
+
+@dataclass
+class Row:
+    system: str
+    concurrency: int
+    generated_tokens: int
+    wall_s: float
+    cpu_s: float
+    ttft_p50_s: float | None = None
+    ttft_p99_s: float | None = None
+    outside_forward: float | None = None
+
+    @property
+    def tok_s(self) -> float:
+        return self.generated_tokens / self.wall_s
+
+
+def bench_llama_56m(seed: int = 0):
+    """The benchmarks' model: Llama, hidden 512, 8 layers, 8 heads, 4 KV heads, vocab 32000, random weights."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
+                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096)
+    return LlamaForCausalLM(config).eval()
+
+
+def prompts_for(n: int, length: int, seed: int = 1) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(10, 32000, (n, length), generator=g).tolist()
+
+
+class TimedRunner(ModelRunner):
+    """Counts time inside the model forward so the engine's own share of a step can be reported."""
+
+    forward_s = 0.0
+
+    def forward(self, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self.forward_s += time.perf_counter() - t
+
+
+def run_cellserve(model, prompts, output_len: int, attention: str) -> Row:
+    runner = TimedRunner(model, n_cells=len(prompts) * (len(prompts[0]) + output_len) + 64, attention=attention)
+    engine = Engine(runner, EngineConfig(max_num_seqs=256, max_num_batched_tokens=2048, max_queue=1 << 20))
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    first: dict[str, float] = {}
+    t0, c0 = time.perf_counter(), time.process_time()
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    step_s = 0.0
+    while engine.has_unfinished():
+        ts = time.perf_counter()
+        for out in engine.step():
+            first.setdefault(out.request_id, time.perf_counter() - t0)
+        step_s += time.perf_counter() - ts
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    ttft = torch.tensor(sorted(first.values()))
+    return Row(f"cellserve ({attention})", len(prompts), engine.generated_tokens, wall, cpu,
+               float(ttft.quantile(0.5)), float(ttft.quantile(0.99)), 1 - runner.forward_s / step_s)
+
+
+def run_hf_cb(model, prompts, output_len: int) -> Row:
+    from transformers import GenerationConfig
+
+    config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    with torch.inference_mode():
+        model.generate_batch(prompts[:1], generation_config=config)  # warm-up, not timed
+        t0, c0 = time.perf_counter(), time.process_time()
+        out = model.generate_batch(prompts, generation_config=config)
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    n = sum(len(o.generated_tokens) for o in out.values())
+    return Row("transformers generate_batch", len(prompts), n, wall, cpu)
+
+
+def run_hf_generate(model, prompts, output_len: int) -> Row:
+    t0, c0 = time.perf_counter(), time.process_time()
+    n = 0
+    with torch.inference_mode():
+        for p in prompts:
+            out = model.generate(torch.tensor([p]), max_new_tokens=output_len, min_new_tokens=output_len,
+                                 do_sample=False, pad_token_id=0)
+            n += out.shape[1] - len(p)
+    return Row("transformers generate (sequential)", 1, n, time.perf_counter() - t0, time.process_time() - c0)
+
+
+def machine() -> str:
+    return (f"{platform.platform()} | {platform.processor() or platform.machine()} | "
+            f"{torch.get_num_threads()} torch threads of {torch.multiprocessing.cpu_count()} CPUs | "
+            f"torch {torch.__version__}")
+
+
+def print_table(rows: list[Row], baseline: Row) -> None:
+    print(f"{'system':36} {'conc':>5} {'tokens':>7} {'wall s':>8} {'tok/s':>8} {'x generate':>10} "
+          f"{'ttft p50':>9} {'ttft p99':>9} {'outside fwd':>11}")
+    for r in rows:
+        ttft = (f"{r.ttft_p50_s:9.2f} {r.ttft_p99_s:9.2f}" if r.ttft_p50_s is not None else f"{'':9} {'':9}")
+        out = f"{r.outside_forward:11.1%}" if r.outside_forward is not None else ""
+        print(f"{r.system:36} {r.concurrency:5d} {r.generated_tokens:7d} {r.wall_s:8.2f} {r.tok_s:8.1f} "
+              f"{r.tok_s / baseline.tok_s:10.2f} {ttft} {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="cellserve bench engine", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", help="local HF folder (default: the 56M-parameter Llama config, random weights)")
+    ap.add_argument("--concurrency", default="1,8,32,64", help="comma-separated request counts")
+    ap.add_argument("--prompt-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--attention", default="fast", help="fast, reference, or both as 'fast,reference'")
+    ap.add_argument("--hf-cb", default="8,32", help="concurrencies at which to run transformers generate_batch "
+                    "('' to skip; it is slow on CPU)")
+    ap.add_argument("--generate-requests", type=int, default=2, help="requests for the sequential baseline")
+    ap.add_argument("--json", help="write every row here")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print("command:", "cellserve bench engine", " ".join(argv if argv is not None else sys.argv[1:]))
+    print("machine:", machine())
+    if args.model:
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True, dtype=torch.float32).eval()
+    else:
+        model = bench_llama_56m()
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, fp32")
+    levels = [int(c) for c in args.concurrency.split(",")]
+    hf_levels = {int(c) for c in args.hf_cb.split(",") if c}
+    baseline = run_hf_generate(model, prompts_for(args.generate_requests, args.prompt_len), args.output_len)
+    rows = [baseline]
+    for c in levels:
+        prompts = prompts_for(c, args.prompt_len)
+        level = [run_cellserve(model, prompts, args.output_len, attention) for attention in args.attention.split(",")]
+        if c in hf_levels:
+            level.append(run_hf_cb(model, prompts, args.output_len))
+        print_table(level, baseline)
+        rows += level
+    print()
+    print_table(rows, baseline)
+    for c in levels:
+        ours = [r for r in rows if r.concurrency == c and r.system.startswith("cellserve")]
+        hf = [r for r in rows if r.concurrency == c and r.system.startswith("transformers generate_batch")]
+        if ours and hf:
+            print(f"concurrency {c}: cellserve / transformers generate_batch = {ours[0].tok_s / hf[0].tok_s:.2f}x")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"machine": machine(), "argv": argv, "rows": [asdict(r) | {"tok_s": r.tok_s} for r in rows]},
+                      f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

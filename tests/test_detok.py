@@ -124,6 +124,20 @@ def test_prefix_space_comes_from_prompt_context():
     assert "".join(stream(det, ids[k:])) == " world"
 
 
+@pytest.mark.parametrize("name", TOKENIZERS)
+def test_prompt_context_window_never_starts_inside_a_character(name):
+    """Five prompt tokens back lands inside "ǅ"; a byte-fallback decoder would then turn the whole byte run
+    (prompt tail + output) into U+FFFD unless the window is moved back to a character boundary."""
+    tok = TOKENIZERS[name]()
+    ids = encode(tok, "ǅ𐀀ǅ")
+    k = next(k for k in range(len(ids)) if decode(tok, ids[:k]) == "ǅ𐀀")
+    if name == "sentencepiece":
+        assert tok.convert_ids_to_tokens(ids[k - 6:]) == ["<0xC7>", "<0x85>", "<0xF0>", "<0x90>", "<0x80>",
+                                                          "<0x80>", "<0xC7>", "<0x85>"]
+    det = IncrementalDetokenizer(tok, prompt_ids=ids[:k])
+    assert "".join(stream(det, ids[k:])) == "ǅ"
+
+
 def test_push_accepts_several_tokens_and_skips_special_tokens():
     tok = byte_level_bpe()
     eos = tok.eos_token_id

@@ -226,7 +226,9 @@ class Sampler:
         sampler(logits, params, generators, output_ids, prompt_ids)
     - logits: [B, V] float tensor (not modified).
     - params: B SamplingParams.
-    - generators: B generators (from `make_generator`, on logits' device); None is allowed for greedy rows.
+    - generators: B generators (from `make_generator`); None is allowed for greedy rows. Noise is drawn on
+      each generator's device and moved to the logits' device, so a CPU generator works with CUDA logits
+      (and gives the same tokens as on CPU); a generator on the logits' device avoids the copy.
       Only non-greedy rows consume randomness, exactly V exponential draws per call.
     - output_ids: B lists of the row's previously generated token ids (presence/frequency penalties use
       these; repetition penalty uses prompt + output). Only read for rows with penalties.
@@ -309,9 +311,7 @@ class Sampler:
             scaled = _truncate(scaled, rows)
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; in log space logit - log(E).
         # The noise of row i comes only from generator i, so its token ignores the rest of the batch.
-        V = x.shape[1]
-        noise = torch.stack([torch.empty(V, device=dev, dtype=x.dtype).exponential_(generator=generators[i])
-                             for i in sampled])
+        noise = torch.stack([_exponential(x.shape[1], generators[i], x.dtype).to(dev) for i in sampled])
         noise.clamp_(min=torch.finfo(x.dtype).tiny)  # never log(0): a masked -inf logit stays -inf
         tokens = x.argmax(dim=-1)
         tokens[idx] = (scaled - noise.log()).argmax(dim=-1)
@@ -334,6 +334,11 @@ class Sampler:
             out_lp[i] = chosen[j]
             out_top[i] = list(zip(top_i[j][:n], top_v[j][:n]))
         return out_lp, out_top
+
+
+def _exponential(n: int, g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
+    """n Exp(1) draws from g, made on g's own device (a CPU generator also serves CUDA logits)."""
+    return torch.empty(n, device=g.device, dtype=dtype).exponential_(generator=g)
 
 
 def _flat_index(rows: list[int], seqs: Sequence[Sequence[int]], device) -> tuple[torch.Tensor, torch.Tensor]:

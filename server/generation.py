@@ -7,8 +7,9 @@ prefills once and forks). `GenerationRun` guarantees:
   PromptTooLong, SequenceBusy, ...) after cancelling the ones it had submitted, so a refused HTTP
   request leaves nothing behind.
 - `events()` yields `(prompt_index, RequestOutput)` in arrival order, per-request order preserved.
-- `cancel()` is idempotent and cancels only requests that have not finished; every route calls it in
-  a `finally`, so a dropped client or an exception frees the request's cells at the next tick.
+- `cancel()` cancels only requests that have not finished (the consumer still reads their final
+  `cancelled` output); `close()` is what every route calls in a `finally`: it cancels what is left
+  and counts it, so a dropped client or an exception frees the request's cells at the next tick.
 """
 
 import asyncio
@@ -38,6 +39,8 @@ class GenerationRun:
         self.seq_id = seq_id
         self.engine_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{k}" for k in range(len(prompts))]
         self._metrics = metrics
+        self._observers = [RequestObserver(metrics) for _ in prompts]
+        self._closed = False
         self._streams: list[AsyncIterator[RequestOutput]] = []
         self._attempted = 0
         self._finished: set[int] = set()
@@ -87,7 +90,7 @@ class GenerationRun:
                 t.cancel()
 
     async def _one(self, k: int) -> AsyncIterator[RequestOutput]:
-        observer = RequestObserver(self._metrics)
+        observer = self._observers[k]
         async for out in self._streams[k]:
             observer.observe(out)
             if out.finished:
@@ -98,6 +101,17 @@ class GenerationRun:
     @property
     def done(self) -> bool:
         return len(self._finished) == len(self.engine_ids)
+
+    def close(self) -> None:
+        """The consumer is done with this run: cancel what is unfinished and count it as cancelled
+        (nobody will read the engine's final `cancelled` output of an abandoned request)."""
+        if self._closed:
+            return
+        self._closed = True
+        for k in range(self._attempted):
+            if k not in self._finished:
+                self._observers[k].abandon(self.params.n)
+        self.cancel()
 
     def cancel(self) -> None:
         """Cancel (at the engine's next tick) every submitted engine request that has not finished.

@@ -101,6 +101,15 @@ class RequestObserver:
         if out.finished:
             self._finish(out)
 
+    def abandon(self, n: int) -> None:
+        """The client left before the end: every choice not yet finished counts as cancelled."""
+        if self._m is None:
+            return
+        for index in range(n):
+            if index not in self._done:
+                self._done.add(index)
+                self._m.finished.labels(finished_reason="cancelled").inc()
+
     def _finish(self, out: RequestOutput) -> None:
         tm = out.timing
         if tm.first_token is not None and tm.queued:

@@ -105,7 +105,7 @@ async def serve(request: Request, ctx: ServerContext, run: GenerationRun, fmt: F
                 stream: bool) -> Response:
     """Start the run (typed engine errors become 4xx/5xx here) and answer in the asked-for mode."""
     try:
-        await await_or_disconnect(request, run.start(), run.cancel)
+        await await_or_disconnect(request, run.start(), run.close)
     except ClientGone:
         return Response(status_code=499)
     headers = {"X-Request-Id": run.request_id}
@@ -113,11 +113,11 @@ async def serve(request: Request, ctx: ServerContext, run: GenerationRun, fmt: F
     if stream:
         return SSEResponse(_stream(ctx, run, fmt), headers=headers)
     try:
-        await await_or_disconnect(request, _collect(run, fmt), run.cancel)
+        await await_or_disconnect(request, _collect(run, fmt), run.close)
     except ClientGone:
         return Response(status_code=499)
     finally:
-        run.cancel()
+        run.close()
         ctx.unregister(run)
     failed = [s for s in fmt.states.values() if s.finish_reason == "error"]
     if failed:
@@ -155,6 +155,6 @@ async def _stream(ctx: ServerContext, run: GenerationRun, fmt: Formatter) -> Asy
             log.exception("stream %s failed", run.request_id)
         yield err.body()
     finally:
-        run.cancel()
+        run.close()
         ctx.unregister(run)
     yield DONE

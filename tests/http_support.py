@@ -118,3 +118,16 @@ def sse_events(lines) -> list:
             data = line[len("data: "):]
             out.append(data if data == "[DONE]" else json.loads(data))
     return out
+
+
+def metric_value(srv: LiveServer, name: str, **labels) -> float:
+    """One sample of /metrics, parsed with prometheus_client's own text parser (0 if absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with srv.client() as c:
+        text = c.get("/metrics").text
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                return sample.value
+    return 0.0

@@ -5,7 +5,9 @@ Two paths that must agree (tests check they do):
   and obviously right, but its cost grows with every occupied cell, visible or not.
 - `fast` (default): the step reads only the cells some query of the step can see (the plan's
   compacted `read_idx`, built in `CellCache.begin_step`), so cells held by idle sequences, freed
-  holes and other conversations' history cost nothing.
+  holes and other conversations' history cost nothing. When each query sees only a small part of
+  that window (decoding many sequences: O(B^2 L) dense), each query row instead gathers just its
+  own visible cells (`cell_gather`, registered through transformers' `AttentionInterface`).
 
 transformers returns an explicit 4D mask untouched, so the mask is the whole integration: bool for
 `sdpa`, additive float for `eager` (a bool mask there is silently wrong), and a dict keyed by layer
@@ -16,6 +18,10 @@ import os
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from engine.cells import StepPlan
 
@@ -39,7 +45,7 @@ class MaskSpec:
 def mask_spec_for(model) -> MaskSpec:
     config = model.config
     impl = getattr(config, "_attn_implementation", None) or "sdpa"
-    if impl not in ("sdpa", "eager"):
+    if impl not in ("sdpa", "eager", GATHER):
         raise ValueError(f"attention implementation {impl!r} is not supported over cells: load with 'sdpa' or 'eager'")
     window = getattr(config, "sliding_window", None)
     layer_types = getattr(config, "layer_types", None)
@@ -74,3 +80,60 @@ def _finish(visible: torch.Tensor, spec: MaskSpec) -> torch.Tensor:
         return mask
     additive = torch.zeros(mask.shape, dtype=spec.dtype)
     return additive.masked_fill_(~mask, torch.finfo(spec.dtype).min)
+
+
+# ----- per-row gather ------------------------------------------------------------------------------
+GATHER = "cell_gather"
+GATHER_MAX_TOKENS = 128  # prefill-heavy steps stay dense: T x L gathered rows would cost more than they save
+
+
+@dataclass
+class RowGather:
+    """For each query row, the read columns it can see (`idx` [T, L], padded; `valid` marks real ones)."""
+
+    idx: torch.Tensor
+    valid: torch.Tensor
+
+
+def row_gather_for(plan: StepPlan) -> RowGather | None:
+    """The per-row gather index, or None when the dense (compacted) window is as cheap."""
+    n_tok, n_cols = plan.visible.shape
+    if n_tok > GATHER_MAX_TOKENS or n_tok == 1:
+        return None
+    counts = plan.visible.sum(1)
+    width = int(counts.max())
+    if width * 2 > n_cols:
+        return None
+    rows, cols = plan.visible.nonzero(as_tuple=True)
+    rank = plan.visible.cumsum(1)[rows, cols] - 1
+    idx = torch.zeros(n_tok, width, dtype=torch.int64)
+    idx[rows, rank] = cols
+    valid = torch.arange(width)[None, :] < counts[:, None]
+    return RowGather(idx, valid)
+
+
+def cell_gather_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                          cell_rows: RowGather | None = None, **kwargs):
+    """Attention where query row i reads only its own visible cells; falls back to sdpa without a plan."""
+    if cell_rows is None:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)
+    idx = cell_rows.idx.to(key.device)
+    n_tok, width = idx.shape
+    n_kv = key.shape[1]
+    k = key[0].index_select(1, idx.reshape(-1)).view(n_kv, n_tok, width, -1).transpose(0, 1)
+    v = value[0].index_select(1, idx.reshape(-1)).view(n_kv, n_tok, width, -1).transpose(0, 1)
+    mask = torch.gather(attention_mask[0, 0], 1, idx)
+    valid = cell_rows.valid.to(key.device)
+    if mask.dtype == torch.bool:
+        mask = mask & valid
+    else:
+        mask = mask.masked_fill(~valid, torch.finfo(mask.dtype).min)
+    q = query[0].transpose(0, 1).unsqueeze(2)  # [T, H, 1, D]
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scaling,
+                                         enable_gqa=query.shape[1] != n_kv)
+    return out.squeeze(2).unsqueeze(0), None  # [1, T, H, D]
+
+
+AttentionInterface.register(GATHER, cell_gather_attention)
+AttentionMaskInterface.register(GATHER, sdpa_mask)  # only used when a model builds its own mask (oracle runs)

@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.attention import ATTENTION_PATHS, build_mask, mask_spec_for
+from engine.attention import ATTENTION_PATHS, GATHER, build_mask, mask_spec_for, row_gather_for
 from engine.cells import DEFAULT_MAX_SEQS, CellCache
 from engine.step import flatten_step
 
@@ -56,6 +56,9 @@ class ModelRunner:
         if threads:
             torch.set_num_threads(threads)
         self.model = model.eval()
+        self.gather = attention == "fast" and model.config._attn_implementation == "sdpa"
+        if self.gather:  # sdpa models get the per-row gather kernel; it falls back to sdpa by itself
+            model.set_attn_implementation(GATHER)
         self.tokenizer = tokenizer
         self.config = model.config
         self.device = model.device
@@ -101,14 +104,16 @@ class ModelRunner:
         plan = self.cache.begin_step(seq_ids, positions)
         try:
             mask = build_mask(plan, self.spec)
+            extra = {"cell_rows": row_gather_for(plan)} if self.gather else {}
             with torch.inference_mode():
                 out = self.model(
                     input_ids=torch.as_tensor(tokens).reshape(1, -1).to(self.device),
                     position_ids=plan.positions.reshape(1, -1).to(self.device),
                     attention_mask=_to(mask, self.device),
                     use_cache=True,
-                    **{self._cache_kwarg: self.cache},
                     logits_to_keep=torch.as_tensor(logits_indices, dtype=torch.int64).to(self.device),
+                    **{self._cache_kwarg: self.cache},
+                    **extra,
                 )
             logits = out.logits[0].float()
         except BaseException:

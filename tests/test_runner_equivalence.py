@@ -172,3 +172,27 @@ def test_failed_forward_releases_its_cells():
     assert runner.cache.plan is None
     out = runner.run({0: ([7], 5)})[0]  # still exact after the failure
     torch.testing.assert_close(out, full_logits(model, _prompt(5, 1) + [7])[-1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_sliding", "gpt2"])
+def test_row_gather_kernel_is_used_for_many_decodes_and_exact(name):
+    from engine import attention
+
+    h = Harness(name, "sdpa", "fast", n_cells=256)
+    assert h.model.config._attn_implementation == attention.GATHER
+    for s in range(8):
+        h.step({s: _prompt(6 + s, 30 + s)})
+    calls = []
+    orig = attention.cell_gather_attention
+
+    def spy(*args, cell_rows=None, **kwargs):
+        calls.append(cell_rows)
+        return orig(*args, cell_rows=cell_rows, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(attention.AttentionInterface._global_mapping, attention.GATHER, spy)
+        for _ in range(3):
+            h.step({s: [h.next_token(s)] for s in range(8)})
+    gathered = [c for c in calls if c is not None]  # the oracle's cacheless forwards pass no rows
+    assert len(gathered) == 3 * h.model.config.num_hidden_layers, "8 decodes should take the gather path"
+    assert gathered[-1].idx.shape[0] == 8 and gathered[-1].idx.shape[1] <= 16

@@ -122,7 +122,7 @@ class Engine:
             raise InvalidRequest(f"fork at={at} is outside [1, {len(parent.token_ids)}]", "at")
         child = Sequence(_new_id("seq"), parent.token_ids[:at], persistent=True, parent=seq_id)
         share = min(parent.n_cached, at - 1)
-        if parent.slot is not None and share > 0 and self.scheduler.acquire_slot(child):
+        if parent.slot is not None and share > 0 and self.scheduler.acquire_slot(child, keep=parent):
             self.cache.seq_cp(parent.slot, child.slot, upto=share)
             child.n_cached = share
         self.sequences[child.seq_id] = child

@@ -71,11 +71,12 @@ class Scheduler:
         self.running.append(seq)
 
     # ----- slots and cells -------------------------------------------------------------------
-    def acquire_slot(self, seq: Sequence) -> bool:
-        """Give `seq` a slot, evicting an idle sequence's cells if none is free."""
+    def acquire_slot(self, seq: Sequence, keep: Sequence | None = None) -> bool:
+        """Give `seq` a slot, evicting an idle sequence's cells if none is free (never `seq`'s or `keep`'s:
+        a fork's parent must keep the cells its child is about to share)."""
         if seq.slot is not None:
             return True
-        if not self._free_slots and not self._evict_one(exclude=seq):
+        if not self._free_slots and not self._evict_one(exclude=(seq, keep)):
             return False
         seq.slot = heapq.heappop(self._free_slots)
         self.holders[seq.slot] = seq
@@ -90,9 +91,10 @@ class Scheduler:
         heapq.heappush(self._free_slots, seq.slot)
         seq.slot, seq.n_cached = None, 0
 
-    def _evict_one(self, exclude: Sequence | None = None) -> bool:
-        """Free the cells of the least recently used sequence that is not running."""
-        victims = [s for s in self.holders.values() if s.status is not SeqStatus.RUNNING and s is not exclude]
+    def _evict_one(self, exclude: tuple[Sequence | None, ...] = ()) -> bool:
+        """Free the cells of the least recently used sequence that is not running nor excluded."""
+        victims = [s for s in self.holders.values()
+                   if s.status is not SeqStatus.RUNNING and not any(s is e for e in exclude)]
         if not victims:
             return False
         self.release(min(victims, key=lambda s: s.last_used))
@@ -148,7 +150,7 @@ class Scheduler:
             return False
         need = sum(c.n_tokens for c in chunks) + n
         while not self.cache.can_extend(need):
-            if not self._evict_one(exclude=seq):
+            if not self._evict_one(exclude=(seq,)):
                 return False
         return True
 

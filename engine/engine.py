@@ -256,6 +256,8 @@ class Engine:
         for seq in req.seqs:
             if seq.index not in choices and seq.request is None and seq.index not in req.reported:
                 choices[seq.index] = CompletionOutput(seq.index, finish_reason=seq.finish_reason, error=seq.error)
+        if req.children_pending and not req.live():
+            _end_unforked(req, choices)
         req.reported.update(i for i, c in choices.items() if c.finish_reason)
         finished = not req.live()
         if finished and not req.finished:
@@ -347,6 +349,15 @@ def _flatten(chunks: list[Chunk], sample_chunks: list[Chunk]) -> FlatStep:
     pick = [i for i, c in enumerate(chunks) if c in sample_chunks] or [0]
     step.logits_indices = step.logits_indices[pick]
     return step
+
+
+def _end_unforked(req: Request, choices: dict[int, CompletionOutput]) -> None:
+    """n > 1 ended (cancel, failed forward) before its prompt was prefilled and forked: the choices that
+    were never forked end the same way as choice 0, so every one of the n choices reports a finish."""
+    first = req.seqs[0]
+    for i in range(1, req.children_pending + 1):
+        choices[i] = CompletionOutput(i, finish_reason=first.finish_reason, error=first.error)
+    req.children_pending = 0
 
 
 def _eos_ids(runner: ModelRunner) -> list[int]:

@@ -1,0 +1,103 @@
+"""A forward that raises fails only that step's requests (finish_reason `error`), releases their
+cells, and the engine keeps serving; requests that were not in the step are untouched."""
+
+import pytest
+from engine_support import (
+    Collector,
+    check_cells_match_sequences,
+    drain,
+    greedy,
+    greedy_oracle,
+    make_engine,
+    prompt,
+)
+from tiny_models import tiny_model
+
+from engine.sampling import SamplingParams
+
+
+class Boom(RuntimeError):
+    pass
+
+
+@pytest.fixture
+def model():
+    return tiny_model("llama_gqa")
+
+
+def _fail_next_forward(monkeypatch, model, layer=1):
+    """Make decoder layer `layer` raise on its next call only (the model is real; one layer misbehaves)."""
+    target = model.model.layers[layer]
+    original = target.forward
+
+    def boom(*args, **kwargs):
+        monkeypatch.setattr(target, "forward", original)
+        raise Boom("injected failure")
+
+    monkeypatch.setattr(target, "forward", boom)
+
+
+def test_failed_forward_fails_only_its_step(monkeypatch, model):
+    n_cells = 128
+    engine = make_engine(model=model, n_cells=n_cells, max_num_seqs=2)
+    a, b, c = Collector(), Collector(), Collector()
+    pa, pb, pc = prompt(7, 1), prompt(12, 2), prompt(9, 3)
+    engine.add_request("a", pa, greedy(8), a)
+    engine.add_request("b", pb, greedy(8), b)
+    engine.step()
+    engine.step()
+    engine.add_request("c", pc, greedy(6), c)  # waits: two sequences already run
+    _fail_next_forward(monkeypatch, model)
+    engine.step()
+    for got in (a, b):
+        assert got.finished and got.finish == {0: "error"} and "injected failure" in got.errors[0]
+        assert len(got.tokens[0]) == 2  # what came before the failure stands
+    assert engine.cache.free_cells() == n_cells  # the step's claimed cells and a's and b's are released
+    assert not c.deltas
+    drain(engine)
+    assert c.finish[0] == "length" and c.tokens[0] == greedy_oracle(model, pc, 6)
+    d = Collector()
+    engine.add_request("d", pa, greedy(8), d)  # a's prompt again, now served in full
+    drain(engine)
+    assert d.tokens[0] == greedy_oracle(model, pa, 8)
+    assert engine.cache.free_cells() == n_cells
+
+
+def test_failed_forward_leaves_a_persistent_sequence_usable(monkeypatch, model):
+    engine = make_engine(model=model, n_cells=64)
+    p = prompt(10, 4)
+    seq, _ = engine.create_sequence(p)
+    drain(engine)
+    run = Collector()
+    engine.add_request("run", [8], greedy(10), run, seq_id=seq.seq_id)
+    engine.step()
+    engine.step()
+    _fail_next_forward(monkeypatch, model, layer=0)
+    engine.step()
+    assert run.finish == {0: "error"}
+    info = engine.sequence_info(seq.seq_id)
+    assert info.status == "idle" and info.token_ids == p + [8] + run.tokens[0]
+    check_cells_match_sequences(engine)
+    again = Collector()
+    engine.add_request("again", [], greedy(5), again, seq_id=seq.seq_id)
+    drain(engine)
+    assert again.tokens[0] == greedy_oracle(model, info.token_ids, 5)
+
+
+def test_failed_prefill_of_n4_fails_every_choice(monkeypatch, model):
+    engine = make_engine(model=model, n_cells=64)
+    got = Collector()
+    engine.add_request("m", prompt(10, 5), SamplingParams(n=4, max_tokens=5, seed=3), got)
+    _fail_next_forward(monkeypatch, model)
+    engine.step()
+    assert got.finished and got.finish == {i: "error" for i in range(4)}
+    assert engine.cache.free_cells() == 64 and not engine.has_unfinished()
+
+
+def test_cancel_of_n4_before_its_prefill_ends_every_choice(model):
+    engine = make_engine(model=model, n_cells=64)
+    got = Collector()
+    engine.add_request("m", prompt(10, 6), SamplingParams(n=4, max_tokens=5, seed=3), got)
+    assert engine.cancel("m")
+    assert got.finished and got.finish == {i: "cancelled" for i in range(4)}
+    assert engine.cache.free_cells() == 64 and not engine.has_unfinished()

@@ -10,6 +10,7 @@ is left, shut the engine down and exit 0.
 import argparse
 import logging
 import re
+import signal
 import sys
 from collections.abc import Callable
 
@@ -104,11 +105,16 @@ def run_server(args: argparse.Namespace) -> int:
     ctx = app.state.ctx
 
     class DrainingServer(uvicorn.Server):
-        """On SIGTERM/SIGINT the app stops admitting (503) before uvicorn starts its graceful wait."""
+        """On SIGTERM/SIGINT the app stops admitting (503) before uvicorn starts its graceful wait.
+
+        Unlike uvicorn's own handler it does not re-raise the signal after the graceful shutdown, so
+        a drained server exits with status 0 (a second SIGINT still forces the exit)."""
 
         def handle_exit(self, sig, frame) -> None:
             ctx.begin_drain()
-            super().handle_exit(sig, frame)
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_graceful_shutdown=max(1, int(args.shutdown_grace)))

@@ -215,6 +215,8 @@ class SequenceCompletionRequest(SamplingFields, _PromptOrMessages):
 
     @model_validator(mode="after")
     def _at_most_one(self):
+        if self.prompt == "":  # the openai SDK always sends a prompt; "" means "append no text"
+            self.prompt = None
         if self.prompt is not None and self.messages is not None:
             raise ParamError("prompt", "give at most one of prompt or messages")
         if self.n != 1:

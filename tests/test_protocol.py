@@ -170,3 +170,8 @@ def test_parse_size(text, value):
 def test_parse_size_rejects(text):
     with pytest.raises(Exception, match="size"):
         parse_size(text)
+
+
+def test_sequence_completion_empty_prompt_means_append_nothing():
+    req = SequenceCompletionRequest.model_validate({"prompt": "", "messages": [{"role": "user", "content": "x"}]})
+    assert req.prompt is None and req.messages[0].content == "x"

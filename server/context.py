@@ -78,7 +78,7 @@ class ServerContext:
         if self._load_task is not None and not self._load_task.done():
             self._load_task.cancel()
         for run in list(self.runs.values()):
-            run.cancel()
+            run.close()
         if self.engine is not None:
             await self.engine.shutdown(self.shutdown_grace_s)
         self.state = "stopped"

@@ -98,10 +98,6 @@ class GenerationRun:
             yield out
         self._finished.add(k)
 
-    @property
-    def done(self) -> bool:
-        return len(self._finished) == len(self.engine_ids)
-
     def close(self) -> None:
         """The consumer is done with this run: cancel what is unfinished and count it as cancelled
         (nobody will read the engine's final `cancelled` output of an abandoned request)."""

@@ -20,7 +20,16 @@ ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
 class StrictModel(BaseModel):
+    """Strict types, unknown fields ignored, and an explicit `null` means "use the default" (as OpenAI)."""
+
     model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
 
 
 class ParamError(ValueError):

@@ -175,3 +175,10 @@ def test_parse_size_rejects(text):
 def test_sequence_completion_empty_prompt_means_append_nothing():
     req = SequenceCompletionRequest.model_validate({"prompt": "", "messages": [{"role": "user", "content": "x"}]})
     assert req.prompt is None and req.messages[0].content == "x"
+
+
+def test_explicit_nulls_mean_defaults():
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "assistant", "content": None}], "n": None,
+                                                "stream": None, "temperature": None, "logprobs": None})
+    assert req.n == 1 and req.stream is False and req.temperature is None and req.logprobs is False
+    assert as_400(CompletionRequest, {"prompt": None}).param == "prompt"

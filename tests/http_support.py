@@ -28,6 +28,16 @@ def model_dir(tmp_path_factory) -> str:
     return str(save_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"), seed=0, max_positions=512))
 
 
+@pytest.fixture(scope="session")
+def long_model_dir(tmp_path_factory) -> str:
+    """The same tiny model with a 4096-token context: generations long enough (thousands of ticks) that a
+    test can act on them mid-way (cancel, 409, fork a busy sequence) whatever the machine's speed."""
+    return str(save_tiny_model_dir(tmp_path_factory.mktemp("tiny-model-long"), seed=0, max_positions=4096))
+
+
+LONG_TOKENS = 4000  # with `long_model_dir`: far more ticks than any mid-stream action needs
+
+
 class Greedy:
     """From-scratch greedy completions with the offline `LLM` (the reference the server must match)."""
 

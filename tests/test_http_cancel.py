@@ -11,17 +11,17 @@ import time
 
 import httpx
 import pytest
-from http_support import LiveServer, metric_value, model_dir, sse_events  # noqa: F401
+from http_support import LONG_TOKENS, LiveServer, long_model_dir, metric_value, sse_events  # noqa: F401
 
-LONG = {"prompt": "ROMEO: But soft", "max_tokens": 400, "ignore_eos": True, "temperature": 0}
+LONG = {"prompt": "ROMEO: But soft", "max_tokens": LONG_TOKENS, "ignore_eos": True, "temperature": 0}
 SHORT = {"prompt": "JULIET: O Romeo", "max_tokens": 24, "temperature": 0}
 POLL_S = 10.0
 CANCELLED = "cellserve:request_success_total"
 
 
 @pytest.fixture(scope="module")
-def srv(model_dir):  # noqa: F811
-    with LiveServer(model_dir) as server:
+def srv(long_model_dir):  # noqa: F811
+    with LiveServer(long_model_dir, n_cells=8192) as server:
         yield server
 
 
@@ -121,7 +121,7 @@ def test_dropped_non_streaming_request_is_cancelled(srv):
     baseline = srv.cache()["cells"]["used"]
     before = cancelled(srv)
     with pytest.raises(httpx.ReadTimeout), httpx.Client(base_url=srv.url, timeout=httpx.Timeout(60, read=0.3)) as c:
-        c.post("/v1/completions", json={**LONG, "max_tokens": 480})
+        c.post("/v1/completions", json=LONG)
     back_to(srv, baseline)
     assert cancelled(srv) == before + 1
 
@@ -130,7 +130,7 @@ def test_sequence_generation_cancel_keeps_the_sequence(srv):
     with srv.client() as c:
         seq = c.post("/v1/sequences", json={"prompt": "ROMEO:"}).json()
         used_idle = srv.cache()["cells"]["used"]
-        body = {"max_tokens": 400, "ignore_eos": True, "stream": True}
+        body = {"max_tokens": LONG_TOKENS, "ignore_eos": True, "stream": True}
         with c.stream("POST", f"/v1/sequences/{seq['id']}/completions", json=body) as resp:
             rid = resp.headers["x-request-id"]
             for line in resp.iter_lines():
@@ -139,6 +139,6 @@ def test_sequence_generation_cancel_keeps_the_sequence(srv):
                     break
         srv.wait_idle()
         info = c.get(f"/v1/sequences/{seq['id']}").json()
-        assert info["status"] == "idle" and seq["length"] < info["length"] < seq["length"] + 400
+        assert info["status"] == "idle" and seq["length"] < info["length"] < seq["length"] + LONG_TOKENS
         assert srv.cache()["cells"]["used"] >= used_idle  # its history (with what it generated) stays
         c.delete(f"/v1/sequences/{seq['id']}")

@@ -5,7 +5,7 @@ import threading
 import httpx
 import openai
 import pytest
-from http_support import API_KEY, MODEL_NAME, LiveServer, model_dir  # noqa: F401
+from http_support import API_KEY, LONG_TOKENS, MODEL_NAME, LiveServer, long_model_dir, model_dir  # noqa: F401
 
 from engine.async_engine import AsyncEngine
 
@@ -96,15 +96,15 @@ def test_oversized_requests_are_413(srv):
         assert_error(c.post("/v1/completions", json={"prompt": "ROMEO", "max_tokens": 300, "n": 3}), 413)
 
 
-def test_busy_sequence_is_409(srv):
-    with srv.client() as c:
+def test_busy_sequence_is_409(long_model_dir):  # noqa: F811
+    with LiveServer(long_model_dir, n_cells=8192) as srv, srv.client() as c:
         seq = c.post("/v1/sequences", json={"prompt": "ROMEO:"}).json()
         started = threading.Event()
 
         def long_generate() -> None:
             with httpx.Client(base_url=srv.url, timeout=60) as c2, c2.stream(
                     "POST", f"/v1/sequences/{seq['id']}/completions",
-                    json={"max_tokens": 400, "ignore_eos": True, "stream": True}) as resp:
+                    json={"max_tokens": LONG_TOKENS, "ignore_eos": True, "stream": True}) as resp:
                 for line in resp.iter_lines():
                     if line.startswith("data: {"):
                         started.set()
@@ -113,9 +113,11 @@ def test_busy_sequence_is_409(srv):
         t.start()
         assert started.wait(30)
         err = assert_error(c.post(f"/v1/sequences/{seq['id']}/completions", json={"max_tokens": 1}), 409)
-        assert err["type"] == "conflict_error"
+        assert err["type"] == "conflict_error" and err["code"] == "sequence_busy"
+        assert_error(c.post(f"/v1/sequences/{seq['id']}/truncate", json={"length": 1}), 409)
         c.delete(f"/v1/sequences/{seq['id']}")
         t.join(30)
+        assert not t.is_alive()
 
 
 def test_openai_sdk_raises_typed_errors(srv):
@@ -179,7 +181,7 @@ def test_queue_full_is_429_with_retry_after(model_dir):  # noqa: F811
 
         async def burst() -> list[httpx.Response]:
             async with srv.async_client() as client:
-                body = {"prompt": "ROMEO:", "max_tokens": 64, "ignore_eos": True}
+                body = {"prompt": "ROMEO:", "max_tokens": 200, "ignore_eos": True}
                 return await asyncio.gather(*[client.post("/v1/completions", json=body) for _ in range(8)])
 
         responses = asyncio.run(burst())
@@ -190,7 +192,7 @@ def test_queue_full_is_429_with_retry_after(model_dir):  # noqa: F811
                 assert r.headers["retry-after"] == "1"
                 assert assert_error(r, 429)["type"] == "rate_limit_error"
             else:
-                assert r.json()["usage"]["completion_tokens"] == 64
+                assert r.json()["usage"]["completion_tokens"] == 200
         with srv.client() as c:
             assert c.get("/health").status_code == 200
             assert c.post("/v1/completions", json=OK).status_code == 200

@@ -1,0 +1,151 @@
+"""AsyncEngine: the Engine on its own thread, driven from asyncio — concurrent submits equal solo
+runs, refusals raise from the awaited call, cancel_nowait ends a stream, persistent-sequence verbs,
+and shutdown cancels what is left and stops the thread."""
+
+import asyncio
+
+import pytest
+from engine_support import greedy, greedy_oracle, make_engine, prompt
+from tiny_models import tiny_model
+
+from engine.async_engine import AsyncEngine
+from engine.errors import EngineUnavailable, InvalidRequest, PromptTooLong, RequestNotFound, SequenceNotFound
+
+TIMEOUT_S = 60
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("llama_gqa")
+
+
+def _run(coro):
+    return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
+
+
+async def _collect(stream) -> tuple[list[int], str | None, int]:
+    """(tokens, finish_reason, number of deltas) of choice 0."""
+    tokens, finish, n = [], None, 0
+    async for out in stream:
+        n += 1
+        for c in out.outputs:
+            tokens += c.token_ids
+            finish = c.finish_reason or finish
+    return tokens, finish, n
+
+
+def test_concurrent_submits_equal_solo_runs(model):
+    prompts = [prompt(3 + 4 * i, seed=i) for i in range(6)]
+    aeng = AsyncEngine(make_engine(model=model, n_cells=256))
+
+    async def main():
+        aeng.start()
+        results = await asyncio.gather(*(_collect(aeng.generate(f"r{i}", p, greedy(8)))
+                                         for i, p in enumerate(prompts)))
+        await aeng.shutdown()
+        return results
+
+    results = _run(main())
+    for p, (tokens, finish, n) in zip(prompts, results):
+        assert finish == "length" and tokens == greedy_oracle(model, p, 8)
+        assert n >= 2, "outputs stream as deltas"
+    assert aeng.engine.cache.free_cells() == 256
+    assert aeng.stats().generated_tokens == 48
+
+
+def test_refusals_raise_from_the_awaited_call(model):
+    aeng = AsyncEngine(make_engine(model=model, n_cells=64))
+
+    async def main():
+        aeng.start()
+        with pytest.raises(InvalidRequest):
+            await aeng.submit("x", [], greedy(3))
+        with pytest.raises(PromptTooLong):
+            await aeng.submit("x", prompt(60, 1), greedy(10))
+        with pytest.raises(SequenceNotFound):
+            await aeng.submit("x", [5], greedy(3), seq_id="nope")
+        with pytest.raises(RequestNotFound):
+            await aeng.cancel("nope")
+        aeng.cancel_nowait("nope")  # harmless
+        tokens, finish, _ = await _collect(aeng.generate("x", [5, 6], greedy(4)))  # the engine still serves
+        await aeng.shutdown()
+        return tokens, finish
+
+    tokens, finish = _run(main())
+    assert finish == "length" and tokens == greedy_oracle(model, [5, 6], 4)
+
+
+def test_cancel_nowait_ends_the_stream_and_frees_cells(model):
+    aeng = AsyncEngine(make_engine(model=model, n_cells=256))
+
+    async def main():
+        aeng.start()
+        stream = await aeng.submit("long", prompt(10, 2), greedy(200))
+        first = await stream.__anext__()
+        aeng.cancel_nowait("long")
+        tokens, finish, _ = await _collect(stream)
+        await aeng.shutdown()
+        return first.outputs[0].token_ids + tokens, finish
+
+    tokens, finish = _run(main())
+    assert finish == "cancelled" and 1 <= len(tokens) < 200
+    assert tokens == greedy_oracle(model, prompt(10, 2), len(tokens))
+    assert aeng.engine.cache.free_cells() == 256
+
+
+def test_persistent_sequence_verbs(model):
+    aeng = AsyncEngine(make_engine(model=model, n_cells=128))
+    p = prompt(9, seed=3)
+
+    async def main():
+        aeng.start()
+        info = await aeng.create_sequence(p)
+        assert (info.length, info.n_cached, info.status) == (9, 8, "idle")
+        tokens, finish, _ = await _collect(aeng.generate("c", [4], greedy(5), seq_id=info.seq_id))
+        child = await aeng.fork(info.seq_id, at=6)
+        short = await aeng.truncate(info.seq_id, 7)
+        listed = {s.seq_id for s in await aeng.list_sequences()}
+        await aeng.delete(child.seq_id)
+        with pytest.raises(SequenceNotFound):
+            await aeng.sequence_info(child.seq_id)
+        await aeng.shutdown()
+        return tokens, finish, child, short, listed, info.seq_id
+
+    tokens, finish, child, short, listed, seq_id = _run(main())
+    assert finish == "length" and tokens == greedy_oracle(model, p + [4], 5)
+    assert child.token_ids == p[:6] and child.cells_shared == 5 and child.parent == seq_id
+    assert short.token_ids == p[:7] and listed == {seq_id, child.seq_id}
+    engine = aeng.engine
+    engine.delete(seq_id)
+    assert engine.cache.free_cells() == 128 and not engine.has_unfinished()
+
+
+def test_shutdown_lets_short_work_finish_within_grace(model):
+    aeng = AsyncEngine(make_engine(model=model, n_cells=256))
+
+    async def main():
+        aeng.start()
+        stream = await aeng.submit("short", prompt(6, 5), greedy(4))
+        await aeng.shutdown(grace_s=TIMEOUT_S)
+        return await _collect(stream)
+
+    tokens, finish, _ = _run(main())
+    assert finish == "length" and tokens == greedy_oracle(model, prompt(6, 5), 4)
+
+
+def test_shutdown_cancels_what_is_left_and_refuses_new_work(model):
+    aeng = AsyncEngine(make_engine(model=model, n_cells=256))
+
+    async def main():
+        aeng.start()
+        stream = await aeng.submit("long", prompt(10, 4), greedy(240))
+        await stream.__anext__()
+        await aeng.shutdown(grace_s=0)  # commands are applied before every step: the cancel comes first
+        _, finish, _ = await _collect(stream)
+        with pytest.raises(EngineUnavailable):
+            await aeng.submit("late", [5], greedy(2))
+        return finish
+
+    assert _run(main()) == "cancelled"
+    assert not aeng.accepting and not aeng._thread.is_alive()
+    assert aeng.engine.cache.free_cells() == 256 and not aeng.engine.has_unfinished()

@@ -76,7 +76,9 @@ class Engine:
         history = (seq.token_ids if seq else []) + list(prompt_ids)
         self._check_fits(len(history), params.max_tokens, params.n)
         self._check_queue()
-        req = Request(request_id, list(prompt_ids), params, emit or (lambda out: None))
+        # max_tokens 0 asks for no token (SamplingParams' contract): the prompt is cached, nothing sampled.
+        req = Request(request_id, list(prompt_ids), params, emit or (lambda out: None),
+                      prefill_only=params.max_tokens == 0)
         if seq is None:
             seq = Sequence(_new_id("gen"), list(prompt_ids))
         else:
@@ -285,11 +287,12 @@ class Engine:
             seq.status = SeqStatus.FINISHED
 
     def _finish_idle_prefills(self, outputs) -> None:
-        """Prefill-only requests (sequence create) end once their cache target is reached."""
+        """Prefill-only requests (sequence create, max_tokens 0) end once their cache target is reached,
+        with finish_reason `length`: they have generated all max_tokens = 0 of their tokens."""
         for seq in list(self.scheduler.running):
             req = seq.request
             if req is not None and req.prefill_only and seq.n_cached >= seq.cache_target():
-                self._finish_seq(seq, "stop")
+                self._finish_seq(seq, "length")
                 outputs.append(self._emit(req, {}))
 
     def _fail_step(self, chunks: list[Chunk], exc: Exception, outputs) -> None:

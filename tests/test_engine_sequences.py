@@ -221,3 +221,25 @@ def test_refused_requests_change_nothing(model):
         engine.create_sequence([5, 6])
     drain(engine)
     assert ok.tokens[0] == greedy_oracle(model, ok.deltas[0].prompt_token_ids, 3)
+
+
+def test_max_tokens_zero_caches_the_prompt_and_samples_nothing(model):
+    engine = make_engine(model=model, n_cells=64)
+    one, many = Collector(), Collector()
+    engine.add_request("one", prompt(8, seed=15), greedy(0), one)
+    engine.add_request("many", prompt(5, seed=16), greedy(0, n=3), many)
+    s = _create(engine, prompt(6, seed=17))
+    appended = _continue(engine, s, [4, 5], 0)  # append text to a sequence without generating
+    drain(engine)
+    assert one.tokens == {0: []} and one.finish == {0: "length"}
+    assert many.finish == {0: "length", 1: "length", 2: "length"} and not any(many.tokens.values())
+    assert appended.finish == {0: "length"} and appended.tokens[0] == []
+    history = prompt(6, seed=17) + [4, 5]
+    info = engine.sequence_info(s)
+    assert (info.token_ids, info.n_cached) == (history, 7)
+    assert engine.stats().generated_tokens == 0
+    got = _continue(engine, s, [], 4)
+    drain(engine)
+    assert got.tokens[0] == greedy_oracle(model, history, 4)
+    engine.delete(s)
+    assert engine.cache.free_cells() == 64

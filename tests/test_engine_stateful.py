@@ -179,6 +179,6 @@ class EngineMachine(RuleBasedStateMachine):
         assert not self.engine.scheduler.holders
 
 
-EngineMachine.TestCase.settings = settings(max_examples=20, stateful_step_count=15, deadline=None,
+EngineMachine.TestCase.settings = settings(max_examples=25, stateful_step_count=15, deadline=None,
                                            suppress_health_check=[HealthCheck.too_slow])
 test_engine_state_machine = EngineMachine.TestCase

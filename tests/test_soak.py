@@ -1,0 +1,566 @@
+"""Soak and fault test (issue #6): a real `cellserve serve` process under a bounded storm of mixed,
+concurrent, partly hostile clients, round after round.
+
+Each round has two phases:
+- the storm: `clients` workers run a shuffled mix of greedy completions and chats (streamed or not,
+  some through the `openai` SDK), sampled n=2 completions, persistent-sequence scenarios (create,
+  fork, concurrent continues, truncate + continue, a busy sequence's 409s, cancel or drop, delete),
+  explicit cancels (id from X-Request-Id or the first chunk), abrupt disconnects mid-stream and
+  mid-wait, and malformed or oversized requests that must get one exact 4xx each;
+- the burst: `max_num_seqs + max_queue` long greedy streams fill the running set and, once the
+  server reports `waiting >= max_queue`, more requests are sent: at least one must be refused at
+  once with 429 + Retry-After (the queue cannot drain: the blockers are far from done and, short of
+  cells, keep preempting each other), and any admitted one must still produce its reference text.
+  The blockers are then cancelled (half by the endpoint, half by dropping the connection).
+
+After every round: no 5xx anywhere (the server's own error counter agrees, apart from the 503s /health
+gave while loading); every greedy request that finished equals its solo reference, itself checked
+against the offline `LLM`; every greedy stream cut short (cancelled, dropped, preempted before that)
+produced a prefix of its reference; the pool's used/free cells are back to their baseline, no
+sequence is left, /health is 200. Across rounds the server's RSS after the warm-up round must grow
+less than RSS_GROWTH_MB. At the end SIGTERM lets an in-flight stream finish and the process exits 0.
+
+Where the tiny model can outrun a busy client (a cancel arriving after the request finished), both
+outcomes are accepted if they are consistent, and counted in the per-round summary. The CI profile
+(marker `soak`) takes about a minute on the shared 2-core box; `make soak` also runs the long one.
+Timings are printed, never asserted.
+"""
+
+import asyncio
+import random
+import time
+from collections import Counter
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from http_support import Greedy, model_dir  # noqa: F401
+from soak_support import ServerProcess, Soak, read_events, streamed_text
+
+PROMPTS = ["ROMEO: But soft", "JULIET: O Romeo", "The quick brown fox", "Naïve café 日本語 🎉"]
+GREEDY_TOKENS = 12  # every greedy request: temperature 0, ignore_eos, this many tokens
+LONG_TOKENS = 460  # streams meant to be cancelled or dropped mid-way (prompt + this fits the 512 context)
+N_CELLS, MAX_QUEUE, MAX_NUM_SEQS = 768, 16, 32
+RSS_GROWTH_MB = 50.0
+POLL_S = 15.0  # how long a round may take to settle (cells back, nothing running); shared CPUs
+
+
+@dataclass(frozen=True)
+class Profile:
+    rounds: int
+    clients: int
+    scale: int  # the storm mix below, repeated this many times per round
+    burst: int  # requests sent into the full queue
+
+
+MIX = {  # operations per round at scale 1 (52)
+    "greedy-cmpl": 5, "greedy-cmpl-stream": 5, "greedy-chat": 3, "greedy-chat-stream": 4, "sdk-cmpl": 2,
+    "sdk-chat-stream": 2, "sampled-n2": 3, "sequence": 5, "cancel": 6, "disconnect": 6,
+    "disconnect-wait": 2, "bad": 9,
+}
+
+
+# ----- the solo references -------------------------------------------------------------------
+def greedy_request(i: int, chat: bool) -> tuple[str, dict]:
+    base = {"max_tokens": GREEDY_TOKENS, "temperature": 0, "ignore_eos": True}
+    if chat:
+        return "/v1/chat/completions", {**base, "messages": [{"role": "user", "content": PROMPTS[i]}]}
+    return "/v1/completions", {**base, "prompt": PROMPTS[i]}
+
+
+def solo_references(url: str, model_path: str) -> dict:
+    """The texts every greedy request must reproduce under load.
+
+    ("cmpl"|"chat", i): GREEDY_TOKENS tokens, each request sent alone to the idle server and checked
+    against the offline `LLM`; ("seq", i): a fresh sequence's continuation, sent alone (it must equal
+    the completion); ("cmpl-long"|"chat-long", i): LONG_TOKENS tokens from the offline `LLM` (the
+    streams that are cancelled or dropped must have produced a prefix of these, preempted or not).
+    """
+    greedy, refs, long_ids = Greedy(model_path), {}, {}
+    with httpx.Client(base_url=url, timeout=120) as c:
+        for i in range(len(PROMPTS)):
+            for chat in (False, True):
+                kind = "chat" if chat else "cmpl"
+                path, body = greedy_request(i, chat)
+                choice = c.post(path, json=body).raise_for_status().json()["choices"][0]
+                refs[(kind, i)] = choice["message"]["content"] if chat else choice["text"]
+                tok = {"messages": body["messages"]} if chat else {"prompt": PROMPTS[i]}
+                ids = c.post("/tokenize", json=tok).raise_for_status().json()["tokens"]
+                assert refs[(kind, i)] == greedy(ids, GREEDY_TOKENS, ignore_eos=True).text, (i, chat)
+                assert len(ids) + LONG_TOKENS <= 512, "LONG_TOKENS must fit the tiny model's context"
+                long_ids[(f"{kind}-long", i)] = ids
+            refs[("seq", i)] = solo_sequence_continuation(c, i)
+            assert refs[("seq", i)] == refs[("cmpl", i)]  # a sequence continues exactly like a completion
+    refs.update(offline_greedy(greedy, long_ids, LONG_TOKENS))
+    return refs
+
+
+def offline_greedy(greedy: Greedy, prompts: dict, max_tokens: int) -> dict:
+    """Greedy texts of several prompts at once, from the offline `LLM` (the same engine, no server)."""
+    from engine.sampling import SamplingParams
+
+    keys = list(prompts)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    outs = greedy.llm.generate([prompts[k] for k in keys], params, use_tqdm=False)
+    return {k: out.outputs[0].text for k, out in zip(keys, outs)}
+
+
+def solo_sequence_continuation(c: httpx.Client, i: int) -> str:
+    seq = c.post("/v1/sequences", json={"prompt": PROMPTS[i]}).raise_for_status().json()
+    body = {"max_tokens": GREEDY_TOKENS, "temperature": 0, "ignore_eos": True}
+    text = c.post(f"/v1/sequences/{seq['id']}/completions", json=body).raise_for_status().json()["choices"][0]["text"]
+    c.delete(f"/v1/sequences/{seq['id']}").raise_for_status()
+    return text
+
+
+# ----- storm operations ----------------------------------------------------------------------
+async def op_greedy(s: Soak, chat: bool, stream: bool) -> None:
+    i = s.rng.randrange(len(PROMPTS))
+    path, body = greedy_request(i, chat)
+    kind = f"greedy-{'chat' if chat else 'cmpl'}{'-stream' if stream else ''}"
+    if stream:
+        async with s.stream(kind, path, body) as (_, lines):
+            text, finish = streamed_text(await read_events(lines), chat)
+    else:
+        choice = (await s.request(kind, "POST", path, json=body)).json()["choices"][0]
+        text, finish = (choice["message"]["content"] if chat else choice["text"]), choice["finish_reason"]
+    s.check_greedy(kind, ("chat" if chat else "cmpl", i), text, finish)
+
+
+async def op_sdk(s: Soak, chat: bool) -> None:
+    """The same greedy requests through the `openai` SDK (it retries nothing; 429s are retried here)."""
+    from openai import AsyncOpenAI, RateLimitError
+
+    i = s.rng.randrange(len(PROMPTS))
+    sdk = AsyncOpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    common = {"model": "tiny", "max_tokens": GREEDY_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    try:
+        for _ in range(30):
+            try:
+                text, finish = await (_sdk_chat(sdk, i, common) if chat else _sdk_completion(sdk, i, common))
+                break
+            except RateLimitError:
+                s.statuses[("sdk", 429)] += 1
+                await asyncio.sleep(1.0)
+    finally:
+        await sdk.close()
+    s.statuses[("sdk", 200)] += 1
+    s.check_greedy(f"sdk-{'chat' if chat else 'cmpl'}", ("chat" if chat else "cmpl", i), text, finish)
+
+
+async def _sdk_completion(sdk, i: int, common: dict) -> tuple[str, str]:
+    out = await sdk.completions.create(prompt=PROMPTS[i], **common)
+    return out.choices[0].text, out.choices[0].finish_reason
+
+
+async def _sdk_chat(sdk, i: int, common: dict) -> tuple[str, str]:
+    stream = await sdk.chat.completions.create(messages=[{"role": "user", "content": PROMPTS[i]}], stream=True,
+                                               **common)
+    text, finish = "", None
+    async for chunk in stream:
+        for c in chunk.choices:
+            text += c.delta.content or ""
+            finish = c.finish_reason or finish
+    return text, finish
+
+
+async def op_sampled(s: Soak) -> None:
+    body = {"prompt": s.rng.choice(PROMPTS), "max_tokens": 8, "temperature": 0.9, "top_p": 0.9,
+            "seed": s.rng.randrange(1000), "n": 2}
+    choices = (await s.request("sampled-n2", "POST", "/v1/completions", json=body)).json()["choices"]
+    assert sorted(c["index"] for c in choices) == [0, 1]
+    assert all(c["finish_reason"] in ("length", "stop") for c in choices), choices
+
+
+def long_request(s: Soak, chat: bool) -> tuple[str, dict, tuple]:
+    """A greedy request too long to finish before it is cancelled or dropped (usually), and its key."""
+    i = s.rng.randrange(len(PROMPTS))
+    path, body = greedy_request(i, chat)
+    return path, {**body, "max_tokens": LONG_TOKENS}, ("chat-long" if chat else "cmpl-long", i)
+
+
+def cancel_outcome(s: Soak, kind: str, status: int, finish: str | None) -> None:
+    """What a cancel may answer. The tiny model outruns a busy client, so a request may have finished
+    before the cancel landed: then 404 (or 200 if its stream was still being sent) and finish 'length'.
+    A cancel that landed ends the stream 'cancelled'. Both outcomes are counted and printed."""
+    assert status in (200, 404), status
+    assert finish in (("cancelled", "length") if status == 200 else ("length",)), (status, finish)
+    s.statuses[(kind, "landed" if finish == "cancelled" else "finished first")] += 1
+
+
+async def op_cancel(s: Soak) -> None:
+    """Cancel a stream after a few chunks by its id (header or first chunk); it ends 'cancelled'."""
+    chat, by_header = s.rng.random() < 0.5, s.rng.random() < 0.5
+    path, body, key = long_request(s, chat)
+    async with s.stream("cancel-stream", path, body) as (header_id, lines):
+        events = await read_events(lines, limit=3)
+        assert events[0]["id"] == header_id
+        rid = header_id if by_header else events[0]["id"]
+        resp = await s.request("cancel", "POST", f"/v1/requests/{rid}/cancel", expect=(200, 404))
+        events += await read_events(lines)
+    text, finish = streamed_text(events, chat)
+    cancel_outcome(s, "cancel", resp.status_code, finish)
+    s.check_prefix("cancelled stream", key, text, finish)
+    await s.request("cancel-finished", "POST", f"/v1/requests/{rid}/cancel", expect=(404,))
+
+
+async def op_disconnect(s: Soak) -> None:
+    """Drop the connection after a few chunks (leaving the block closes it mid-stream)."""
+    chat = s.rng.random() < 0.5
+    path, body, key = long_request(s, chat)
+    async with s.stream("disconnect-stream", path, body) as (_, lines):
+        events = await read_events(lines, limit=s.rng.randint(2, 5))
+    text = "".join((c["delta"].get("content") or "") if chat else c["text"] for e in events for c in e["choices"])
+    s.check_prefix("stream before the drop", key, text, None)
+
+
+async def op_disconnect_wait(s: Soak) -> None:
+    """A non-streaming request whose client gives up waiting (read timeout) and hangs up."""
+    path, body, _ = long_request(s, s.rng.random() < 0.5)
+    try:
+        resp = await s.http.post(path, json=body, timeout=httpx.Timeout(60, read=0.3))
+    except httpx.ReadTimeout:
+        s.statuses[("disconnect-wait", "gave up")] += 1
+        return
+    s.record("disconnect-wait", resp, resp.content)  # finished or refused in time: still no 5xx
+
+
+BAD_TOKEN_PROMPT = [5] * 600  # beyond the 512-token context
+BAD = [  # (what, method, path, request kwargs, the one status it must get)
+    ("truncated JSON", "POST", "/v1/completions", {"content": b'{"prompt": "x", "max_tokens": '}, 400),
+    ("binary garbage", "POST", "/v1/chat/completions", {"content": b"\xff\xfe\x00garbage"}, 400),
+    ("JSON list body", "POST", "/v1/completions", {"json": [1, 2, 3]}, 400),
+    ("prompt of wrong type", "POST", "/v1/completions", {"json": {"prompt": 5}}, 400),
+    ("negative max_tokens", "POST", "/v1/completions", {"json": {"prompt": "x", "max_tokens": -3}}, 400),
+    ("max_tokens as string", "POST", "/v1/completions", {"json": {"prompt": "x", "max_tokens": "8"}}, 400),
+    ("temperature out of range", "POST", "/v1/completions", {"json": {"prompt": "x", "temperature": 7}}, 400),
+    ("empty messages", "POST", "/v1/chat/completions", {"json": {"messages": []}}, 400),
+    ("unknown role", "POST", "/v1/chat/completions", {"json": {"messages": [{"role": "wiz", "content": "x"}]}}, 400),
+    ("bad logit_bias key", "POST", "/v1/completions", {"json": {"prompt": "x", "logit_bias": {"a": 1}}}, 400),
+    ("stream_options without stream", "POST", "/v1/completions",
+     {"json": {"prompt": "x", "stream_options": {"include_usage": True}}}, 400),
+    ("prompt beyond context (ids)", "POST", "/v1/completions", {"json": {"prompt": BAD_TOKEN_PROMPT}}, 413),
+    ("prompt beyond context (text)", "POST", "/v1/completions", {"json": {"prompt": "ROMEO: " * 400}}, 413),
+    ("max_tokens beyond context", "POST", "/v1/chat/completions",
+     {"json": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}}, 413),
+    ("n choices beyond the pool", "POST", "/v1/completions", {"json": {"prompt": "x", "n": 2, "max_tokens": 500}},
+     413),
+    ("create with neither prompt nor messages", "POST", "/v1/sequences", {"json": {}}, 400),
+    ("continue an unknown sequence", "POST", "/v1/sequences/seq-nope/completions", {"json": {}}, 404),
+    ("fork an unknown sequence", "POST", "/v1/sequences/seq-nope/fork", {"json": {}}, 404),
+    ("delete an unknown sequence", "DELETE", "/v1/sequences/seq-nope", {}, 404),
+    ("cancel an unknown request", "POST", "/v1/requests/cmpl-nope/cancel", {}, 404),
+]
+
+
+async def op_bad(s: Soak) -> None:
+    for what, method, path, kw, status in s.rng.sample(BAD, 3):
+        await s.request(f"bad: {what}", method, path, expect=(status,), retry_429=False, **kw)
+
+
+# ----- the sequence scenario -----------------------------------------------------------------
+async def seq_continue(s: Soak, seq_id: str, i: int, stream: bool) -> None:
+    """A greedy continuation of a fresh (or rewound) sequence equals the solo reference."""
+    path = f"/v1/sequences/{seq_id}/completions"
+    body = {"max_tokens": GREEDY_TOKENS, "temperature": 0, "ignore_eos": True}
+    if stream:
+        async with s.stream("seq-continue-stream", path, body) as (_, lines):
+            text, finish = streamed_text(await read_events(lines), chat=False)
+    else:
+        choice = (await s.request("seq-continue", "POST", path, json=body)).json()["choices"][0]
+        text, finish = choice["text"], choice["finish_reason"]
+    s.check_greedy(f"sequence continuation ({'stream' if stream else 'json'})", ("seq", i), text, finish)
+
+
+async def seq_busy_then_stop(s: Soak, seq_id: str, length: int) -> None:
+    """While a sequence generates, a second generation and a truncate are 409; then it is cancelled
+    (endpoint) or abandoned (dropped connection), and the sequence goes idle keeping what it made.
+
+    If the long generation already finished (a busy client reads slowly), the probes are accepted
+    (200): then they must say so consistently, and the outcome is counted as 'finished first'."""
+    path = f"/v1/sequences/{seq_id}"
+    body = {"max_tokens": LONG_TOKENS, "temperature": 0, "ignore_eos": True}
+    async with s.stream("seq-long-stream", f"{path}/completions", body) as (rid, lines):
+        await read_events(lines, limit=2)
+        probes = [(await s.request("seq-busy", "POST", f"{path}/completions", json={"max_tokens": 2},
+                                   expect=(409, 200))).status_code,
+                  (await s.request("seq-busy", "POST", f"{path}/truncate", json={"length": length},
+                                   expect=(409, 200))).status_code]
+        finish = None
+        if s.rng.random() < 0.5:
+            cancel = await s.request("seq-cancel", "POST", f"/v1/requests/{rid}/cancel", expect=(200, 404))
+            finish = streamed_text(await read_events(lines), chat=False)[1]
+            cancel_outcome(s, "seq-cancel", cancel.status_code, finish)
+    info = await wait_sequence_idle(s, seq_id)
+    if probes == [409, 409]:
+        s.statuses[("seq-busy", "both 409")] += 1
+        assert length < info["length"] <= length + LONG_TOKENS, info["length"]
+    else:
+        assert finish in (None, "length"), (probes, finish)  # a probe got through: the stream had ended
+        assert info["length"] >= length
+
+
+async def wait_sequence_idle(s: Soak, seq_id: str) -> dict:
+    deadline = time.monotonic() + POLL_S
+    while True:
+        info = (await s.request("seq-get", "GET", f"/v1/sequences/{seq_id}")).json()
+        if info["status"] == "idle" or time.monotonic() > deadline:
+            assert info["status"] == "idle", info["status"]
+            return info
+        await asyncio.sleep(0.05)
+
+
+async def op_sequence(s: Soak) -> None:
+    """create -> fork -> both continue at once -> rewind + continue -> bad verbs -> busy -> delete all."""
+    i, ids = s.rng.randrange(len(PROMPTS)), []
+    try:
+        seq = (await s.request("seq-create", "POST", "/v1/sequences", json={"prompt": PROMPTS[i]})).json()
+        ids.append(seq["id"])
+        n = seq["length"]
+        child = (await s.request("seq-fork", "POST", f"/v1/sequences/{seq['id']}/fork")).json()
+        ids.append(child["id"])
+        assert child["length"] == n and child["parent"] == seq["id"]
+        await asyncio.gather(seq_continue(s, seq["id"], i, stream=False), seq_continue(s, child["id"], i, stream=True))
+        rewound = (await s.request("seq-truncate", "POST", f"/v1/sequences/{seq['id']}/truncate",
+                                   json={"length": n})).json()
+        assert rewound["length"] == n
+        await seq_continue(s, seq["id"], i, stream=s.rng.random() < 0.5)
+        await s.request("seq-bad", "POST", f"/v1/sequences/{seq['id']}/truncate", json={"length": 0}, expect=(400,))
+        await s.request("seq-bad", "POST", f"/v1/sequences/{seq['id']}/fork", json={"at": 10**6}, expect=(400,))
+        grand = (await s.request("seq-fork", "POST", f"/v1/sequences/{child['id']}/fork", json={"at": n})).json()
+        ids.append(grand["id"])
+        await seq_busy_then_stop(s, grand["id"], n)
+    finally:
+        for sid in ids:
+            await s.request("seq-delete", "DELETE", f"/v1/sequences/{sid}")
+    for sid in ids:
+        await s.request("seq-deleted", "GET", f"/v1/sequences/{sid}", expect=(404,))
+        await s.request("seq-deleted", "DELETE", f"/v1/sequences/{sid}", expect=(404,))
+
+
+OPS = {
+    "greedy-cmpl": lambda s: op_greedy(s, chat=False, stream=False),
+    "greedy-cmpl-stream": lambda s: op_greedy(s, chat=False, stream=True),
+    "greedy-chat": lambda s: op_greedy(s, chat=True, stream=False),
+    "greedy-chat-stream": lambda s: op_greedy(s, chat=True, stream=True),
+    "sdk-cmpl": lambda s: op_sdk(s, chat=False),
+    "sdk-chat-stream": lambda s: op_sdk(s, chat=True),
+    "sampled-n2": op_sampled,
+    "sequence": op_sequence,
+    "cancel": op_cancel,
+    "disconnect": op_disconnect,
+    "disconnect-wait": op_disconnect_wait,
+    "bad": op_bad,
+}
+
+
+async def storm(s: Soak, profile: Profile) -> list[str]:
+    """Run the shuffled mix on `profile.clients` workers; return every failed operation's message."""
+    plan = [name for name, count in MIX.items() for _ in range(count * profile.scale)]
+    s.rng.shuffle(plan)
+    failures: list[str] = []
+
+    async def worker() -> None:
+        while plan:
+            name = plan.pop()
+            try:
+                await OPS[name](s)
+            except Exception as exc:  # noqa: BLE001 -- collected, reported together after the round
+                failures.append(f"{name}: {type(exc).__name__}: {exc}")
+
+    await asyncio.gather(*(worker() for _ in range(profile.clients)))
+    return failures
+
+
+# ----- the burst beyond --max-queue ----------------------------------------------------------
+async def blocker(s: Soak, k: int, release: asyncio.Event) -> None:
+    """A long stream that holds its place until released; then cancelled (even k) or dropped (odd k)."""
+    i = k % len(PROMPTS)
+    body = {"prompt": PROMPTS[i], "max_tokens": LONG_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
+    async with s.http.stream("POST", "/v1/completions", json=body) as resp:
+        s.record("blocker", resp, None if resp.status_code == 200 else await resp.aread())
+        if resp.status_code == 429:
+            return
+        assert resp.status_code == 200, resp.status_code
+        await release.wait()
+        if k % 2:
+            return
+        rid = resp.headers["x-request-id"]
+        cancel = await s.request("blocker-cancel", "POST", f"/v1/requests/{rid}/cancel", expect=(200, 404))
+        events = await read_events(resp.aiter_lines())
+    text, finish = streamed_text(events, chat=False)
+    cancel_outcome(s, "blocker-cancel", cancel.status_code, finish)
+    s.check_prefix("blocker (preempted and resumed under cell pressure)", ("cmpl-long", i), text, finish)
+
+
+async def burst_one(s: Soak, k: int, status: asyncio.Future, release: asyncio.Event) -> None:
+    """One greedy request into the full queue: 429 (expected) is the end of it; if it was admitted
+    after all (200), it waits for the blockers to go and must then produce its reference text."""
+    i, chat = k % len(PROMPTS), bool(k % 2)
+    path, body = greedy_request(i, chat)
+    try:
+        async with s.http.stream("POST", path, json={**body, "stream": True}) as resp:
+            s.record("burst", resp, None if resp.status_code == 200 else await resp.aread())
+            status.set_result(resp.status_code)
+            assert resp.status_code in (200, 429), resp.status_code
+            if resp.status_code == 429:
+                return
+            await release.wait()
+            events = await read_events(resp.aiter_lines())
+    except BaseException as exc:
+        if not status.done():
+            status.set_exception(exc)
+        raise
+    s.check_greedy("burst request admitted", ("chat" if chat else "cmpl", i), *streamed_text(events, chat))
+
+
+async def wait_queue_full(s: Soak, max_queue: int) -> dict:
+    deadline = time.monotonic() + 120
+    while True:
+        body = (await s.request("cache", "GET", "/v1/cache")).json()
+        if body["requests"]["waiting"] >= max_queue:
+            return body
+        assert time.monotonic() < deadline, f"the queue never filled: {body['requests']}"
+        await asyncio.sleep(0.05)
+
+
+async def burst(s: Soak, srv: ServerProcess, n: int) -> list[int]:
+    """Fill running + waiting with blockers, send `n` more, then release (cancel/drop) the blockers.
+    Returns the burst's statuses (known as soon as each is answered)."""
+    loop = asyncio.get_running_loop()
+    release = asyncio.Event()
+    blockers = [asyncio.create_task(blocker(s, k, release)) for k in range(srv.max_num_seqs + srv.max_queue)]
+    tasks: list[asyncio.Task] = []
+    try:
+        full = await wait_queue_full(s, srv.max_queue)
+        print(f"  burst: queue full at {full['requests']}, {full['preemptions']} preemptions so far")
+        statuses = [loop.create_future() for _ in range(n)]
+        tasks = [asyncio.create_task(burst_one(s, k, statuses[k], release)) for k in range(n)]
+        answered = await asyncio.gather(*statuses)
+    finally:
+        release.set()
+        results = await asyncio.gather(*blockers, *tasks, return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors
+    return answered
+
+
+# ----- rounds and the test -------------------------------------------------------------------
+async def run_round(srv: ServerProcess, profile: Profile, refs: dict, r: int) -> Soak:
+    """One storm then one burst, on a fresh client; returns it with its tally (problems not yet checked)."""
+    s = Soak(srv.url, random.Random(1000 + r), refs, max_connections=256)
+    try:
+        failures = await storm(s, profile)
+        assert not failures, f"round {r}: {len(failures)} operations failed:\n" + "\n".join(failures)
+        statuses = await burst(s, srv, profile.burst)
+        assert 429 in statuses, f"round {r}: nothing refused with the queue full: {statuses}"
+    finally:
+        await s.aclose()
+    return s
+
+
+def settle(srv: ServerProcess, baseline: dict) -> tuple[dict, float]:
+    """Poll until nothing runs or waits and the cells are back to `baseline`; return /v1/cache and the wait."""
+    t0 = time.monotonic()
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        while True:
+            body = c.get("/v1/cache").raise_for_status().json()
+            settled = body["requests"] == {"running": 0, "waiting": 0} and body["cells"] == baseline
+            if settled or time.monotonic() - t0 > POLL_S:
+                return body, time.monotonic() - t0
+            time.sleep(0.05)
+
+
+def server_5xx(url: str) -> dict:
+    """What the server itself counted as answered with a 5xx (cellserve:request_errors_total by status)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(url + "/metrics", timeout=30).text
+    return {s.labels["status"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
+            if s.name == "cellserve:request_errors_total" and s.labels.get("status", "").startswith("5")
+            and s.value}
+
+
+def check_round(srv: ServerProcess, s: Soak, baseline: dict, loading_503: dict, r: int) -> float:
+    """Everything a finished round must leave behind; returns the server's RSS (MiB). The only 5xx the
+    server may have counted are the 503s /health answered while the model loaded (`loading_503`)."""
+    assert not s.problems, f"round {r}: contract violations:\n" + "\n".join(s.problems)
+    body, waited = settle(srv, baseline)
+    assert body["requests"] == {"running": 0, "waiting": 0}, body["requests"]
+    assert body["cells"] == baseline, f"round {r}: cells {body['cells']} != baseline {baseline} (leak)"
+    assert body["sequences"] == [], f"round {r}: sequences left: {[q['id'] for q in body['sequences']]}"
+    assert httpx.get(srv.url + "/health", timeout=30).status_code == 200
+    assert server_5xx(srv.url) == loading_503
+    rss = srv.rss_mb()
+    http, outcomes = Counter(), Counter()
+    for (kind, status), n in s.statuses.items():
+        if isinstance(status, int):
+            http[status] += n
+        else:
+            outcomes[f"{kind}: {status}"] += n
+    print(f"round {r}: {sum(http.values())} responses {dict(sorted(http.items()))}; {dict(sorted(outcomes.items()))}; "
+          f"{s.greedy_checked} greedy texts checked; settled in {waited:.2f}s; preemptions {body['preemptions']}; "
+          f"RSS {rss:.1f} MiB")
+    return rss
+
+
+async def drain_on_sigterm(srv: ServerProcess) -> list:
+    """SIGTERM while a stream is in flight: the stream still finishes (graceful drain)."""
+    path, body = greedy_request(0, chat=False)
+    async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c, \
+            c.stream("POST", path, json={**body, "max_tokens": 40, "stream": True}) as resp:
+        assert resp.status_code == 200
+        lines = resp.aiter_lines()
+        events = await read_events(lines, limit=1)
+        srv.proc.terminate()  # SIGTERM
+        return events + await read_events(lines)
+
+
+@pytest.fixture
+def make_server(model_dir, tmp_path):  # noqa: F811
+    """Builds the server process; teardown always ends it, even when the test failed."""
+    started: list[ServerProcess] = []
+
+    def make() -> ServerProcess:
+        srv = ServerProcess(model_dir, tmp_path / "serve.log", n_cells=N_CELLS, max_queue=MAX_QUEUE,
+                            max_num_seqs=MAX_NUM_SEQS)
+        started.append(srv)
+        srv.start()
+        return srv
+
+    yield make
+    for srv in started:
+        if srv.proc is not None and srv.proc.poll() is None:
+            print("server log tail:\n" + srv.log_tail())
+        srv.kill()
+
+
+PROFILES = [
+    pytest.param(Profile(rounds=3, clients=12, scale=1, burst=8), marks=pytest.mark.soak, id="ci"),
+    pytest.param(Profile(rounds=12, clients=24, scale=2, burst=16), marks=pytest.mark.soak_long, id="long"),
+]
+
+
+@pytest.mark.parametrize("profile", PROFILES)
+def test_soak(profile: Profile, make_server, model_dir):  # noqa: F811
+    t0 = time.monotonic()
+    srv = make_server()
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        baseline = c.get("/v1/cache").raise_for_status().json()["cells"]
+    loading_503 = server_5xx(srv.url)
+    assert set(loading_503) <= {"503"}
+    refs = solo_references(srv.url, model_dir)
+    assert settle(srv, baseline)[0]["cells"] == baseline
+    print(f"\nserver up and references checked in {time.monotonic() - t0:.1f}s; baseline cells {baseline}")
+    rss = []
+    for r in range(profile.rounds):
+        s = asyncio.run(run_round(srv, profile, refs, r))
+        rss.append(check_round(srv, s, baseline, loading_503, r))
+    growth = rss[-1] - rss[0]
+    print(f"RSS (MiB) after each round: {[round(x, 1) for x in rss]}; growth after the warm-up round "
+          f"{growth:+.1f} MiB (max {max(rss) - rss[0]:+.1f}), bound {RSS_GROWTH_MB} MiB")
+    assert growth < RSS_GROWTH_MB
+    _, finish = streamed_text(asyncio.run(drain_on_sigterm(srv)), chat=False)
+    assert finish == "length"  # the in-flight stream was finished, not cut
+    assert srv.proc.wait(60) == 0, srv.log_tail()
+    print(f"total {time.monotonic() - t0:.1f}s")

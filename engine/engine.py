@@ -181,7 +181,11 @@ class Engine:
             c.seq.n_cached += c.n_tokens
             c.seq.last_used = time.monotonic()
         if sample_chunks:
-            self._sample(sample_chunks, logits, outputs)
+            try:
+                self._sample(sample_chunks, logits, outputs)
+            except Exception as exc:  # a sampling/detok bug fails the rows that sampled, not everyone
+                log.exception("sampling failed; failing the %d sequences that sampled", len(sample_chunks))
+                self._fail_step(sample_chunks, exc, outputs)
         self._finish_idle_prefills(outputs)
         return outputs
 
@@ -204,8 +208,11 @@ class Engine:
             for seq in [c.seq, *self._spawn_children(c.seq)]:
                 rows.append(i)
                 seqs.append(seq)
+        # Token histories are only read for penalties: don't copy them for every row every step.
+        pen = [s.params.has_penalties for s in seqs]
         result = self.sampler(logits[rows], [s.params for s in seqs], [s.generator for s in seqs],
-                              [s.output_ids for s in seqs], [s.token_ids[: s.gen_start] for s in seqs])
+                              [s.output_ids if p else [] for s, p in zip(seqs, pen)],
+                              [s.token_ids[: s.gen_start] if p else [] for s, p in zip(seqs, pen)])
         news: dict[Request, dict[int, CompletionOutput]] = {}
         for k, seq in enumerate(seqs):
             lp = None
@@ -349,7 +356,8 @@ class Engine:
 def _flatten(chunks: list[Chunk], sample_chunks: list[Chunk]) -> FlatStep:
     """The flat step, keeping logits only for the chunks that sample (at least one row: 0 means all)."""
     step = flatten_step({c.seq.slot: (c.token_ids, c.start) for c in chunks})
-    pick = [i for i, c in enumerate(chunks) if c in sample_chunks] or [0]
+    sampling = {id(c) for c in sample_chunks}
+    pick = [i for i, c in enumerate(chunks) if id(c) in sampling] or [0]
     step.logits_indices = step.logits_indices[pick]
     return step
 

@@ -108,48 +108,53 @@ class Scheduler:
 
     # ----- one tick --------------------------------------------------------------------------
     def schedule(self) -> list[Chunk]:
+        self._chunks: dict[Sequence, Chunk] = {}  # insertion-ordered; sequences hash by identity
+        self._step_tokens = 0
+        self._preempted_now: set[Sequence] = set()
         budget = self.max_num_batched_tokens
-        chunks: list[Chunk] = []
         # Decodes first (1 token each), then unfinished prefills, oldest first.
         for seq in sorted(self.running, key=lambda s: (s.pending > 1, s.admitted_at)):
-            if seq not in self.running or budget == 0:
+            if seq.status is not SeqStatus.RUNNING or budget == 0:
                 continue  # preempted while making room for an older sequence
             n = min(seq.cache_target() - seq.n_cached, budget)
-            if n > 0 and self._room_for_running(chunks, seq, n):
-                chunks.append(Chunk(seq, seq.n_cached, n))
+            if n > 0 and self._room_for_running(seq, n):
+                self._add_chunk(seq, n)
                 budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if seq in self._preempted_now:
+                break  # it just gave up its cells for this very step
             n = min(seq.cache_target() - seq.n_cached, budget)
-            if n > 0 and not self._room_for_waiting(chunks, seq, n):
+            if n > 0 and not self._room_for_waiting(seq, n):
                 break
             self.waiting.popleft()
             self.add_running(seq)
             if n > 0:
-                chunks.append(Chunk(seq, seq.n_cached, n))
+                self._add_chunk(seq, n)
                 budget -= n
-        return chunks
+        return list(self._chunks.values())
 
-    def _room_for_running(self, chunks: list[Chunk], seq: Sequence, n: int) -> bool:
-        need = sum(c.n_tokens for c in chunks) + n
-        while not self.cache.can_extend(need):
+    def _add_chunk(self, seq: Sequence, n: int) -> None:
+        self._chunks[seq] = Chunk(seq, seq.n_cached, n)
+        self._step_tokens += n
+
+    def _room_for_running(self, seq: Sequence, n: int) -> bool:
+        while not self.cache.can_extend(self._step_tokens + n):
             if self._evict_one():
                 continue
             victim = max(self.running, key=lambda s: s.admitted_at)
-            if victim is seq:
-                self.preempt(seq)
-                return False
-            for c in [c for c in chunks if c.seq is victim]:
-                chunks.remove(c)
-                need -= c.n_tokens
+            if victim in self._chunks:
+                self._step_tokens -= self._chunks.pop(victim).n_tokens
+            self._preempted_now.add(victim)
             self.preempt(victim)
+            if victim is seq:
+                return False
         return True
 
-    def _room_for_waiting(self, chunks: list[Chunk], seq: Sequence, n: int) -> bool:
+    def _room_for_waiting(self, seq: Sequence, n: int) -> bool:
         if not self.acquire_slot(seq):
             return False
-        need = sum(c.n_tokens for c in chunks) + n
-        while not self.cache.can_extend(need):
+        while not self.cache.can_extend(self._step_tokens + n):
             if not self._evict_one(exclude=(seq,)):
                 return False
         return True

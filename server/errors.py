@@ -116,9 +116,12 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+UNCOUNTED_PATHS = ("/health", "/metrics")  # probes: a 503 there is the answer, not a failed request
+
+
 def _respond(request: Request, err: APIError) -> JSONResponse:
     ctx = getattr(request.app.state, "ctx", None)
-    if ctx is not None:
+    if ctx is not None and request.url.path not in UNCOUNTED_PATHS:
         ctx.metrics.errors.labels(status=str(err.status)).inc()
     return error_response(err)
 

@@ -70,7 +70,8 @@ class ServerMetrics:
                              buckets=LATENCY_BUCKETS, registry=reg)
         self.finished = Counter("cellserve:request_success", "Finished engine requests by finish reason.",
                                 ["finished_reason"], registry=reg)
-        self.errors = Counter("cellserve:request_errors", "Requests answered with an error, by HTTP status.",
+        self.errors = Counter("cellserve:request_errors",
+                              "Requests answered with an error, by HTTP status (/health probes excluded).",
                               ["status"], registry=reg)
         reg.register(EngineCollector(stats))
 

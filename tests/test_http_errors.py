@@ -5,7 +5,15 @@ import threading
 import httpx
 import openai
 import pytest
-from http_support import API_KEY, LONG_TOKENS, MODEL_NAME, LiveServer, long_model_dir, model_dir  # noqa: F401
+from http_support import (  # noqa: F401
+    API_KEY,
+    LONG_TOKENS,
+    MODEL_NAME,
+    LiveServer,
+    long_model_dir,
+    metric_value,
+    model_dir,
+)
 
 from engine.async_engine import AsyncEngine
 
@@ -173,6 +181,8 @@ def test_503_while_loading_then_ready_then_draining(model_dir):  # noqa: F811
         srv.ctx.begin_drain()  # what SIGTERM does first (see test_http_cli for the real signal)
         assert "shutting down" in assert_error(c.get("/health"), 503)["message"]
         assert_error(c.post("/v1/completions", json=OK), 503)
+        # the two refused completions count as errors; /health probes answering 503 do not
+        assert metric_value(srv, "cellserve:request_errors_total", status="503") == 2
 
 
 def test_queue_full_is_429_with_retry_after(model_dir):  # noqa: F811

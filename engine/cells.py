@@ -174,8 +174,7 @@ class CellCache(Cache):
         Raises before claiming anything if the step is empty, a slot is out of range, a token's
         (seq, position) is already held or repeated, or the pool lacks free cells (`CacheFull`).
         """
-        seq_ids = torch.as_tensor(seq_ids, dtype=torch.int64).reshape(-1)
-        positions = torch.as_tensor(positions, dtype=torch.int64).reshape(-1)
+        seq_ids, positions = _int_tensor(seq_ids, "seq_ids"), _int_tensor(positions, "positions")
         self._validate_step(seq_ids, positions)
         n_tok = seq_ids.numel()
         free = torch.nonzero(self.n_owners == 0).squeeze(1)
@@ -206,6 +205,7 @@ class CellCache(Cache):
 
     def seq_cp(self, src: int, dst: int, upto: int | None = None) -> None:
         """Fork: `dst` also owns `src`'s cells with position < `upto` (all if None). Copies no K/V."""
+        self._check_between_steps("seq_cp")
         self._check_slot(src, "src")
         self._check_slot(dst, "dst")
         r = self.read_len
@@ -216,6 +216,7 @@ class CellCache(Cache):
 
     def seq_rm(self, seq_id: int, p0: int = 0, p1: int | None = None) -> int:
         """Drop `seq_id`'s claim on positions [p0, p1) (p1=None: to the end). Returns cells freed."""
+        self._check_between_steps("seq_rm")
         self._check_slot(seq_id, "seq_id")
         if p0 < 0 or (p1 is not None and p1 < p0):
             raise CellCacheError(f"seq_rm range [{p0}, {p1}) is invalid: need 0 <= p0 <= p1")
@@ -287,6 +288,21 @@ class CellCache(Cache):
         occupied = torch.nonzero(self.n_owners[: self.read_len] > 0)
         self.read_len = int(occupied[-1]) + 1 if occupied.numel() else 0
 
+    def _check_between_steps(self, verb: str) -> None:
+        if self.plan is not None:
+            raise CellCacheError(f"{verb} during a step would corrupt its plan: call it before begin_step "
+                                 "or after end_step/abort_step")
+
     def _check_slot(self, seq_id: int, name: str) -> None:
         if not isinstance(seq_id, int) or isinstance(seq_id, bool) or not 0 <= seq_id < self.max_seqs:
             raise CellCacheError(f"{name}={seq_id!r} is not a slot in [0, {self.max_seqs}): raise max_seqs")
+
+
+def _int_tensor(values, name: str) -> torch.Tensor:
+    """A 1-D int64 tensor of `values`; bools and floats are refused rather than silently cast."""
+    t = torch.as_tensor(values)
+    if t.numel() == 0:
+        return t.to(torch.int64).reshape(-1)  # an empty list is float to torch; the step check names it
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise CellCacheError(f"{name} must be integers, got dtype {t.dtype}")
+    return t.to(torch.int64).reshape(-1)

@@ -391,3 +391,26 @@ TestInterleavingsLlamaFast = _machine("llama_gqa", "fast")
 TestInterleavingsLlamaReference = _machine("llama_gqa", "reference")
 TestInterleavingsQwenSlidingFast = _machine("qwen2_sliding", "fast")
 TestInterleavingsQwenSlidingReference = _machine("qwen2_sliding", "reference")
+
+
+def test_fork_and_remove_are_refused_during_a_step():
+    from engine.cells import CellCache, CellCacheError
+
+    cache = CellCache(8, 1)
+    cache.begin_step([0], [0])
+    with pytest.raises(CellCacheError, match="during a step"):
+        cache.seq_cp(0, 1)
+    with pytest.raises(CellCacheError, match="during a step"):
+        cache.seq_rm(0)
+    cache.abort_step()
+    assert cache.free_cells() == 8 and not cache.owner.any()
+
+
+@pytest.mark.parametrize("seq_ids,positions", [([True], [0]), ([0.9], [1]), ([0], [1.7])])
+def test_begin_step_refuses_bool_and_float_ids(seq_ids, positions):
+    from engine.cells import CellCache, CellCacheError
+
+    cache = CellCache(8, 1)
+    with pytest.raises(CellCacheError, match="must be integers"):
+        cache.begin_step(seq_ids, positions)
+    assert cache.free_cells() == 8 and cache.plan is None

@@ -5,26 +5,16 @@
     print(outs[0].outputs[0].text)
 """
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from engine.engine import Engine, EngineConfig
-from engine.outputs import RequestOutput, TokenLogprob
+from engine.outputs import CompletionOutput, RequestOutput
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
-
-
-@dataclass
-class Completion:
-    index: int
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None
-    stop_reason: str | int | None = None
 
 
 @dataclass
@@ -32,7 +22,7 @@ class LLMOutput:
     request_id: str
     prompt: str | None
     prompt_token_ids: list[int]
-    outputs: list[Completion]
+    outputs: list[CompletionOutput]  # accumulated over the whole generation
 
 
 class LLM:
@@ -66,7 +56,7 @@ class LLM:
         for i, (prompt, p) in enumerate(zip(prompts, per_prompt)):
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else list(prompt)
             out = LLMOutput(str(i), prompt if isinstance(prompt, str) else None, ids,
-                            [Completion(k) for k in range(p.n)])
+                            [CompletionOutput(k) for k in range(p.n)])
             self.engine.add_request(str(i), ids, p, _accumulator(out))
             results.append(out)
         bar = tqdm(total=len(prompts), disable=not use_tqdm, desc="generate", unit="req")

@@ -15,6 +15,9 @@ import sys
 from collections.abc import Callable
 
 log = logging.getLogger("cellserve")
+# Idle keep-alive connections are closed after this long. Well above common clients' own pool expiry
+# (httpx: 5 s), so a client never reuses a connection at the instant the server closes it (ReadError).
+KEEP_ALIVE_S = 30
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
                "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -117,7 +120,7 @@ def run_server(args: argparse.Namespace) -> int:
             self.should_exit = True
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_graceful_shutdown=max(1, int(args.shutdown_grace)))
+                            timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=max(1, int(args.shutdown_grace)))
     server = DrainingServer(config)
     log.info("cellserve listening on http://%s:%d (model loads in the background; GET /health is 503 "
              "until it is ready)", args.host, args.port)

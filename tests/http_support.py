@@ -17,6 +17,7 @@ from tiny_models import save_tiny_model_dir
 
 from engine.async_engine import AsyncEngine
 from server.app import build_app
+from server.cli import KEEP_ALIVE_S
 
 MODEL_NAME = "tiny-llama"
 API_KEY = "sk-test-key"
@@ -70,7 +71,8 @@ class LiveServer:
         self.sock.bind(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        config = uvicorn.Config(self.app, log_level="warning", timeout_graceful_shutdown=int(grace_s) + 1)
+        config = uvicorn.Config(self.app, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S,
+                                timeout_graceful_shutdown=int(grace_s) + 1)
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

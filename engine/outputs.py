@@ -60,8 +60,8 @@ class SequenceInfo:
     n_cached: int  # tokens of this sequence that currently have cells
     cells_owned: int  # cells this sequence has a claim on
     cells_shared: int  # of those, cells also owned by another sequence
-    created: float
-    last_used: float
+    created: float  # wall clock (time.time()), for display
+    last_used: float  # time.monotonic(), for idle TTLs; convert before showing it
 
 
 @dataclass

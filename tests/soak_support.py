@@ -43,9 +43,28 @@ class ServerProcess:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
         self.max_queue, self.max_num_seqs = max_queue, max_num_seqs
-        self.cmd = [sys.executable, "-m", "server.cli", "serve", "--model", model_dir, "--port", str(self.port),
-                    "--n-cells", str(n_cells), "--max-queue", str(max_queue), "--max-num-seqs", str(max_num_seqs),
-                    "--threads", "1", "--shutdown-grace", "30", "--log-level", "warning"]
+        self.cmd = [
+            sys.executable,
+            "-m",
+            "server.cli",
+            "serve",
+            "--model",
+            model_dir,
+            "--port",
+            str(self.port),
+            "--n-cells",
+            str(n_cells),
+            "--max-queue",
+            str(max_queue),
+            "--max-num-seqs",
+            str(max_num_seqs),
+            "--threads",
+            "1",
+            "--shutdown-grace",
+            "30",
+            "--log-level",
+            "warning",
+        ]
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 180) -> None:
@@ -59,7 +78,9 @@ class ServerProcess:
                 if httpx.get(self.url + "/health", timeout=5).status_code == 200:
                     return
             time.sleep(0.2)
-        raise AssertionError(f"server never became healthy (exit code {self.proc.poll()}):\n{self.log_tail()}")
+        raise AssertionError(
+            f"server never became healthy (exit code {self.proc.poll()}):\n{self.log_tail()}"
+        )
 
     def rss_mb(self) -> float:
         """The server's resident set size (VmRSS from /proc), in MiB."""
@@ -97,7 +118,7 @@ def sse_event(line: str):
     """One `data: ...` SSE line as JSON (or the string '[DONE]'); None for any other line."""
     if not line.startswith("data: "):
         return None
-    data = line[len("data: "):]
+    data = line[len("data: ") :]
     return data if data == "[DONE]" else json.loads(data)
 
 
@@ -165,8 +186,9 @@ class Soak:
         await asyncio.sleep(float(resp.headers.get("retry-after", "1")))
 
     # ----- requests --------------------------------------------------------------------------
-    async def request(self, kind: str, method: str, path: str, *, expect=(200,), retry_429: bool = True,
-                      **kw) -> httpx.Response:
+    async def request(
+        self, kind: str, method: str, path: str, *, expect=(200,), retry_429: bool = True, **kw
+    ) -> httpx.Response:
         """One request (retried after each 429 when asked); asserts its final status is in `expect`."""
         for _ in range(MAX_429_RETRIES):
             resp = await self.http.request(method, path, **kw)
@@ -174,7 +196,9 @@ class Soak:
             if resp.status_code == 429 and retry_429:
                 await self.backoff(resp)
                 continue
-            assert resp.status_code in expect, f"{kind}: {method} {path} -> {resp.status_code} {resp.text[:300]}"
+            assert resp.status_code in expect, (
+                f"{kind}: {method} {path} -> {resp.status_code} {resp.text[:300]}"
+            )
             return resp
         raise AssertionError(f"{kind}: still 429 after {MAX_429_RETRIES} tries")
 
@@ -214,5 +238,7 @@ class Soak:
         if finish == "length":
             assert text == ref, f"{what}: finished text != reference"
         else:
-            assert ref.startswith(text), f"{what}: {text!r} is not a prefix of the reference {ref[:len(text) + 8]!r}"
+            assert ref.startswith(text), (
+                f"{what}: {text!r} is not a prefix of the reference {ref[: len(text) + 8]!r}"
+            )
         self.greedy_checked += 1

@@ -7,11 +7,13 @@ Each round has two phases:
   fork, concurrent continues, truncate + continue, a busy sequence's 409s, cancel or drop, delete),
   explicit cancels (id from X-Request-Id or the first chunk), abrupt disconnects mid-stream and
   mid-wait, and malformed or oversized requests that must get one exact 4xx each;
-- the burst: `max_num_seqs + max_queue` long greedy streams fill the running set and, once the
-  server reports `waiting >= max_queue`, more requests are sent: at least one must be refused at
-  once with 429 + Retry-After (the queue cannot drain: the blockers are far from done and, short of
-  cells, keep preempting each other), and any admitted one must still produce its reference text.
-  The blockers are then cancelled (half by the endpoint, half by dropping the connection).
+- the burst: `max_num_seqs + max_queue + 1` long greedy streams and a few short greedy requests are
+  sent at once. At least one long stream must be refused with 429 + Retry-After (none can finish
+  before it is released, so the last one admitted would find the queue full); every short request
+  admitted must produce its reference text. The long streams are then cancelled (half by the
+  endpoint, half by dropping the connection, some while still queued) and must have produced a prefix
+  of their reference, though short of cells they kept preempting each other. Then, as after the
+  storm, the pool must return to its baseline.
 
 After every round: no 5xx anywhere (the server's own error counter agrees, apart from the 503s /health
 gave while loading); every greedy request that finished equals its solo reference, itself checked
@@ -42,6 +44,7 @@ GREEDY_TOKENS = 12  # every greedy request: temperature 0, ignore_eos, this many
 LONG_TOKENS = 460  # streams meant to be cancelled or dropped mid-way (prompt + this fits the 512 context)
 N_CELLS, MAX_QUEUE, MAX_NUM_SEQS = 768, 16, 32
 RSS_GROWTH_MB = 50.0
+PREEMPTIONS_PER_BURST = 8  # the blockers are released only after this many preemptions
 POLL_S = 15.0  # how long a round may take to settle (cells back, nothing running); shared CPUs
 
 
@@ -53,10 +56,21 @@ class Profile:
     burst: int  # requests sent into the full queue
 
 
-MIX = {  # operations per round at scale 1 (52)
-    "greedy-cmpl": 5, "greedy-cmpl-stream": 5, "greedy-chat": 3, "greedy-chat-stream": 4, "sdk-cmpl": 2,
-    "sdk-chat-stream": 2, "sampled-n2": 3, "sequence": 5, "cancel": 6, "disconnect": 6,
-    "disconnect-wait": 2, "bad": 9,
+MIX = {  # operations per round at scale 1 (54)
+    "greedy-cmpl": 5,
+    "greedy-cmpl-stream": 4,
+    "greedy-chat": 3,
+    "greedy-chat-stream": 4,
+    "greedy-multi": 2,
+    "sdk-cmpl": 2,
+    "sdk-chat-stream": 2,
+    "sampled-n2": 3,
+    "sequence": 5,
+    "cancel": 6,
+    "disconnect": 5,
+    "disconnect-n3": 2,
+    "disconnect-wait": 2,
+    "bad": 9,
 }
 
 
@@ -108,7 +122,11 @@ def offline_greedy(greedy: Greedy, prompts: dict, max_tokens: int) -> dict:
 def solo_sequence_continuation(c: httpx.Client, i: int) -> str:
     seq = c.post("/v1/sequences", json={"prompt": PROMPTS[i]}).raise_for_status().json()
     body = {"max_tokens": GREEDY_TOKENS, "temperature": 0, "ignore_eos": True}
-    text = c.post(f"/v1/sequences/{seq['id']}/completions", json=body).raise_for_status().json()["choices"][0]["text"]
+    text = (
+        c.post(f"/v1/sequences/{seq['id']}/completions", json=body)
+        .raise_for_status()
+        .json()["choices"][0]["text"]
+    )
     c.delete(f"/v1/sequences/{seq['id']}").raise_for_status()
     return text
 
@@ -122,9 +140,34 @@ async def op_greedy(s: Soak, chat: bool, stream: bool) -> None:
         async with s.stream(kind, path, body) as (_, lines):
             text, finish = streamed_text(await read_events(lines), chat)
     else:
-        choice = (await s.request(kind, "POST", path, json=body)).json()["choices"][0]
+        logprobs = not chat and s.rng.random() < 0.5
+        choice = (
+            await s.request(kind, "POST", path, json={**body, "logprobs": 2} if logprobs else body)
+        ).json()
+        choice = choice["choices"][0]
         text, finish = (choice["message"]["content"] if chat else choice["text"]), choice["finish_reason"]
+        if logprobs:
+            assert len(choice["logprobs"]["tokens"]) == GREEDY_TOKENS, choice["logprobs"]
     s.check_greedy(kind, ("chat" if chat else "cmpl", i), text, finish)
+
+
+async def op_greedy_multi(s: Soak) -> None:
+    """Two prompts in one completion request: each choice (by index) equals its own solo reference."""
+    picks = s.rng.sample(range(len(PROMPTS)), 2)
+    body = {**greedy_request(0, chat=False)[1], "prompt": [PROMPTS[i] for i in picks]}
+    texts, finishes = ["", ""], [None, None]
+    if s.rng.random() < 0.5:
+        async with s.stream("greedy-multi-stream", "/v1/completions", body) as (_, lines):
+            events = await read_events(lines)
+        streamed_text(events, chat=False)  # ended with [DONE], no error event
+        choices = [c for e in events[:-1] for c in e["choices"]]
+    else:
+        choices = (await s.request("greedy-multi", "POST", "/v1/completions", json=body)).json()["choices"]
+    for c in choices:
+        texts[c["index"]] += c["text"]
+        finishes[c["index"]] = c["finish_reason"] or finishes[c["index"]]
+    for k, i in enumerate(picks):
+        s.check_greedy(f"choice {k} of a two-prompt request", ("cmpl", i), texts[k], finishes[k])
 
 
 async def op_sdk(s: Soak, chat: bool) -> None:
@@ -133,7 +176,12 @@ async def op_sdk(s: Soak, chat: bool) -> None:
 
     i = s.rng.randrange(len(PROMPTS))
     sdk = AsyncOpenAI(base_url=s.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-    common = {"model": "tiny", "max_tokens": GREEDY_TOKENS, "temperature": 0, "extra_body": {"ignore_eos": True}}
+    common = {
+        "model": "tiny",
+        "max_tokens": GREEDY_TOKENS,
+        "temperature": 0,
+        "extra_body": {"ignore_eos": True},
+    }
     try:
         for _ in range(30):
             try:
@@ -154,8 +202,9 @@ async def _sdk_completion(sdk, i: int, common: dict) -> tuple[str, str]:
 
 
 async def _sdk_chat(sdk, i: int, common: dict) -> tuple[str, str]:
-    stream = await sdk.chat.completions.create(messages=[{"role": "user", "content": PROMPTS[i]}], stream=True,
-                                               **common)
+    stream = await sdk.chat.completions.create(
+        messages=[{"role": "user", "content": PROMPTS[i]}], stream=True, **common
+    )
     text, finish = "", None
     async for chunk in stream:
         for c in chunk.choices:
@@ -165,8 +214,14 @@ async def _sdk_chat(sdk, i: int, common: dict) -> tuple[str, str]:
 
 
 async def op_sampled(s: Soak) -> None:
-    body = {"prompt": s.rng.choice(PROMPTS), "max_tokens": 8, "temperature": 0.9, "top_p": 0.9,
-            "seed": s.rng.randrange(1000), "n": 2}
+    body = {
+        "prompt": s.rng.choice(PROMPTS),
+        "max_tokens": 8,
+        "temperature": 0.9,
+        "top_p": 0.9,
+        "seed": s.rng.randrange(1000),
+        "n": 2,
+    }
     choices = (await s.request("sampled-n2", "POST", "/v1/completions", json=body)).json()["choices"]
     assert sorted(c["index"] for c in choices) == [0, 1]
     assert all(c["finish_reason"] in ("length", "stop") for c in choices), choices
@@ -210,8 +265,18 @@ async def op_disconnect(s: Soak) -> None:
     path, body, key = long_request(s, chat)
     async with s.stream("disconnect-stream", path, body) as (_, lines):
         events = await read_events(lines, limit=s.rng.randint(2, 5))
-    text = "".join((c["delta"].get("content") or "") if chat else c["text"] for e in events for c in e["choices"])
+    text = "".join(
+        (c["delta"].get("content") or "") if chat else c["text"] for e in events for c in e["choices"]
+    )
     s.check_prefix("stream before the drop", key, text, None)
+
+
+async def op_disconnect_n(s: Soak) -> None:
+    """Drop an n=3 sampled stream (prefilled once, forked into 3) early: maybe before it forked.
+    200 tokens, so that 3 choices fit the pool."""
+    body = {"prompt": s.rng.choice(PROMPTS), "max_tokens": 200, "temperature": 0.8, "seed": 1, "n": 3}
+    async with s.stream("disconnect-n3", "/v1/completions", body) as (_, lines):
+        await read_events(lines, limit=s.rng.randint(1, 4))
 
 
 async def op_disconnect_wait(s: Soak) -> None:
@@ -235,16 +300,37 @@ BAD = [  # (what, method, path, request kwargs, the one status it must get)
     ("max_tokens as string", "POST", "/v1/completions", {"json": {"prompt": "x", "max_tokens": "8"}}, 400),
     ("temperature out of range", "POST", "/v1/completions", {"json": {"prompt": "x", "temperature": 7}}, 400),
     ("empty messages", "POST", "/v1/chat/completions", {"json": {"messages": []}}, 400),
-    ("unknown role", "POST", "/v1/chat/completions", {"json": {"messages": [{"role": "wiz", "content": "x"}]}}, 400),
+    (
+        "unknown role",
+        "POST",
+        "/v1/chat/completions",
+        {"json": {"messages": [{"role": "wiz", "content": "x"}]}},
+        400,
+    ),
     ("bad logit_bias key", "POST", "/v1/completions", {"json": {"prompt": "x", "logit_bias": {"a": 1}}}, 400),
-    ("stream_options without stream", "POST", "/v1/completions",
-     {"json": {"prompt": "x", "stream_options": {"include_usage": True}}}, 400),
+    (
+        "stream_options without stream",
+        "POST",
+        "/v1/completions",
+        {"json": {"prompt": "x", "stream_options": {"include_usage": True}}},
+        400,
+    ),
     ("prompt beyond context (ids)", "POST", "/v1/completions", {"json": {"prompt": BAD_TOKEN_PROMPT}}, 413),
     ("prompt beyond context (text)", "POST", "/v1/completions", {"json": {"prompt": "ROMEO: " * 400}}, 413),
-    ("max_tokens beyond context", "POST", "/v1/chat/completions",
-     {"json": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}}, 413),
-    ("n choices beyond the pool", "POST", "/v1/completions", {"json": {"prompt": "x", "n": 2, "max_tokens": 500}},
-     413),
+    (
+        "max_tokens beyond context",
+        "POST",
+        "/v1/chat/completions",
+        {"json": {"messages": [{"role": "user", "content": "x"}], "max_tokens": 100000}},
+        413,
+    ),
+    (
+        "n choices beyond the pool",
+        "POST",
+        "/v1/completions",
+        {"json": {"prompt": "x", "n": 2, "max_tokens": 500}},
+        413,
+    ),
     ("create with neither prompt nor messages", "POST", "/v1/sequences", {"json": {}}, 400),
     ("continue an unknown sequence", "POST", "/v1/sequences/seq-nope/completions", {"json": {}}, 404),
     ("fork an unknown sequence", "POST", "/v1/sequences/seq-nope/fork", {"json": {}}, 404),
@@ -272,32 +358,47 @@ async def seq_continue(s: Soak, seq_id: str, i: int, stream: bool) -> None:
     s.check_greedy(f"sequence continuation ({'stream' if stream else 'json'})", ("seq", i), text, finish)
 
 
-async def seq_busy_then_stop(s: Soak, seq_id: str, length: int) -> None:
-    """While a sequence generates, a second generation and a truncate are 409; then it is cancelled
-    (endpoint) or abandoned (dropped connection), and the sequence goes idle keeping what it made.
+async def seq_busy_then_stop(s: Soak, seq_id: str, i: int, ids: list[str]) -> None:
+    """While a fresh sequence (prompt i) generates: a second generation and a truncate are 409, a fork
+    snapshots what it has so far; then it is cancelled (endpoint) or abandoned (dropped connection),
+    goes idle keeping what it made, and the fork's tokens are a prefix of its tokens.
 
     If the long generation already finished (a busy client reads slowly), the probes are accepted
-    (200): then they must say so consistently, and the outcome is counted as 'finished first'."""
+    (200): then they must say so consistently, and only what still holds is checked."""
     path = f"/v1/sequences/{seq_id}"
+    length = (await s.request("seq-get", "GET", path)).json()["length"]
     body = {"max_tokens": LONG_TOKENS, "temperature": 0, "ignore_eos": True}
     async with s.stream("seq-long-stream", f"{path}/completions", body) as (rid, lines):
-        await read_events(lines, limit=2)
-        probes = [(await s.request("seq-busy", "POST", f"{path}/completions", json={"max_tokens": 2},
-                                   expect=(409, 200))).status_code,
-                  (await s.request("seq-busy", "POST", f"{path}/truncate", json={"length": length},
-                                   expect=(409, 200))).status_code]
+        events = await read_events(lines, limit=2)
+        probes = [
+            (
+                await s.request(
+                    "seq-busy", "POST", f"{path}/completions", json={"max_tokens": 2}, expect=(409, 200)
+                )
+            ).status_code,
+            (
+                await s.request(
+                    "seq-busy", "POST", f"{path}/truncate", json={"length": length}, expect=(409, 200)
+                )
+            ).status_code,
+        ]
+        snap = (await s.request("seq-fork-busy", "POST", f"{path}/fork")).json()
+        ids.append(snap["id"])
         finish = None
         if s.rng.random() < 0.5:
             cancel = await s.request("seq-cancel", "POST", f"/v1/requests/{rid}/cancel", expect=(200, 404))
-            finish = streamed_text(await read_events(lines), chat=False)[1]
+            text, finish = streamed_text(events + await read_events(lines), chat=False)
             cancel_outcome(s, "seq-cancel", cancel.status_code, finish)
+            if probes == [409, 409]:
+                s.check_prefix("cancelled sequence continuation", ("cmpl-long", i), text, finish)
     info = await wait_sequence_idle(s, seq_id)
-    if probes == [409, 409]:
-        s.statuses[("seq-busy", "both 409")] += 1
-        assert length < info["length"] <= length + LONG_TOKENS, info["length"]
-    else:
+    if probes != [409, 409]:
         assert finish in (None, "length"), (probes, finish)  # a probe got through: the stream had ended
-        assert info["length"] >= length
+        return
+    s.statuses[("seq-busy", "both 409")] += 1
+    assert length < info["length"] <= length + LONG_TOKENS, info["length"]
+    tokens = (await s.request("seq-get", "GET", f"/v1/sequences/{snap['id']}")).json()["token_ids"]
+    assert length <= len(tokens) <= info["length"] and tokens == info["token_ids"][: len(tokens)]
 
 
 async def wait_sequence_idle(s: Soak, seq_id: str) -> dict:
@@ -320,16 +421,25 @@ async def op_sequence(s: Soak) -> None:
         child = (await s.request("seq-fork", "POST", f"/v1/sequences/{seq['id']}/fork")).json()
         ids.append(child["id"])
         assert child["length"] == n and child["parent"] == seq["id"]
-        await asyncio.gather(seq_continue(s, seq["id"], i, stream=False), seq_continue(s, child["id"], i, stream=True))
-        rewound = (await s.request("seq-truncate", "POST", f"/v1/sequences/{seq['id']}/truncate",
-                                   json={"length": n})).json()
+        await asyncio.gather(
+            seq_continue(s, seq["id"], i, stream=False), seq_continue(s, child["id"], i, stream=True)
+        )
+        rewound = (
+            await s.request("seq-truncate", "POST", f"/v1/sequences/{seq['id']}/truncate", json={"length": n})
+        ).json()
         assert rewound["length"] == n
         await seq_continue(s, seq["id"], i, stream=s.rng.random() < 0.5)
-        await s.request("seq-bad", "POST", f"/v1/sequences/{seq['id']}/truncate", json={"length": 0}, expect=(400,))
-        await s.request("seq-bad", "POST", f"/v1/sequences/{seq['id']}/fork", json={"at": 10**6}, expect=(400,))
-        grand = (await s.request("seq-fork", "POST", f"/v1/sequences/{child['id']}/fork", json={"at": n})).json()
+        await s.request(
+            "seq-bad", "POST", f"/v1/sequences/{seq['id']}/truncate", json={"length": 0}, expect=(400,)
+        )
+        await s.request(
+            "seq-bad", "POST", f"/v1/sequences/{seq['id']}/fork", json={"at": 10**6}, expect=(400,)
+        )
+        grand = (
+            await s.request("seq-fork", "POST", f"/v1/sequences/{child['id']}/fork", json={"at": n})
+        ).json()
         ids.append(grand["id"])
-        await seq_busy_then_stop(s, grand["id"], n)
+        await seq_busy_then_stop(s, grand["id"], i, ids)
     finally:
         for sid in ids:
             await s.request("seq-delete", "DELETE", f"/v1/sequences/{sid}")
@@ -350,6 +460,8 @@ OPS = {
     "cancel": op_cancel,
     "disconnect": op_disconnect,
     "disconnect-wait": op_disconnect_wait,
+    "disconnect-n3": op_disconnect_n,
+    "greedy-multi": op_greedy_multi,
     "bad": op_bad,
 }
 
@@ -373,29 +485,44 @@ async def storm(s: Soak, profile: Profile) -> list[str]:
 
 
 # ----- the burst beyond --max-queue ----------------------------------------------------------
-async def blocker(s: Soak, k: int, release: asyncio.Event) -> None:
-    """A long stream that holds its place until released; then cancelled (even k) or dropped (odd k)."""
+async def blocker(s: Soak, k: int, status: asyncio.Future, release: asyncio.Event) -> None:
+    """A long greedy stream that holds its place until released; then cancelled (even k) or dropped
+    (odd k). `status` gets its HTTP status as soon as it is answered (429 if the queue was full)."""
     i = k % len(PROMPTS)
-    body = {"prompt": PROMPTS[i], "max_tokens": LONG_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True}
-    async with s.http.stream("POST", "/v1/completions", json=body) as resp:
-        s.record("blocker", resp, None if resp.status_code == 200 else await resp.aread())
-        if resp.status_code == 429:
-            return
-        assert resp.status_code == 200, resp.status_code
-        await release.wait()
-        if k % 2:
-            return
-        rid = resp.headers["x-request-id"]
-        cancel = await s.request("blocker-cancel", "POST", f"/v1/requests/{rid}/cancel", expect=(200, 404))
-        events = await read_events(resp.aiter_lines())
+    body = {
+        "prompt": PROMPTS[i],
+        "max_tokens": LONG_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    try:
+        async with s.http.stream("POST", "/v1/completions", json=body) as resp:
+            s.record("blocker", resp, None if resp.status_code == 200 else await resp.aread())
+            status.set_result(resp.status_code)
+            assert resp.status_code in (200, 429), resp.status_code
+            if resp.status_code == 429:
+                return
+            await release.wait()
+            if k % 2:
+                return
+            rid = resp.headers["x-request-id"]
+            cancel = await s.request(
+                "blocker-cancel", "POST", f"/v1/requests/{rid}/cancel", expect=(200, 404)
+            )
+            events = await read_events(resp.aiter_lines())
+    except BaseException as exc:
+        if not status.done():
+            status.set_exception(exc)
+        raise
     text, finish = streamed_text(events, chat=False)
     cancel_outcome(s, "blocker-cancel", cancel.status_code, finish)
     s.check_prefix("blocker (preempted and resumed under cell pressure)", ("cmpl-long", i), text, finish)
 
 
-async def burst_one(s: Soak, k: int, status: asyncio.Future, release: asyncio.Event) -> None:
-    """One greedy request into the full queue: 429 (expected) is the end of it; if it was admitted
-    after all (200), it waits for the blockers to go and must then produce its reference text."""
+async def burst_one(s: Soak, k: int, status: asyncio.Future) -> None:
+    """A short greedy request sent with the blockers: 429, or admitted (200) and then, once it gets
+    its turn, exactly its reference text."""
     i, chat = k % len(PROMPTS), bool(k % 2)
     path, body = greedy_request(i, chat)
     try:
@@ -405,7 +532,6 @@ async def burst_one(s: Soak, k: int, status: asyncio.Future, release: asyncio.Ev
             assert resp.status_code in (200, 429), resp.status_code
             if resp.status_code == 429:
                 return
-            await release.wait()
             events = await read_events(resp.aiter_lines())
     except BaseException as exc:
         if not status.done():
@@ -414,61 +540,81 @@ async def burst_one(s: Soak, k: int, status: asyncio.Future, release: asyncio.Ev
     s.check_greedy("burst request admitted", ("chat" if chat else "cmpl", i), *streamed_text(events, chat))
 
 
-async def wait_queue_full(s: Soak, max_queue: int) -> dict:
+async def burst(s: Soak, srv: ServerProcess, n: int) -> list[int]:
+    """`max_num_seqs + max_queue + 1` blockers and `n` short greedy requests, all at once; once every one
+    is answered the blockers are released (cancelled or dropped, maybe while still queued).
+
+    At least one blocker must be refused (429), whatever the timing: blockers do not finish before
+    they are released, so the last of them to be admitted would find `running + waiting >=
+    max_num_seqs + max_queue`, i.e. a full queue. Returns the blockers' statuses."""
+    loop = asyncio.get_running_loop()
+    release = asyncio.Event()
+    n_blockers = srv.max_num_seqs + srv.max_queue + 1
+    blocked = [loop.create_future() for _ in range(n_blockers)]
+    shorts = [loop.create_future() for _ in range(n)]
+    tasks = [asyncio.create_task(blocker(s, k, blocked[k], release)) for k in range(n_blockers)]
+    tasks += [asyncio.create_task(burst_one(s, k, shorts[k])) for k in range(n)]
+    try:
+        before = (await s.request("cache", "GET", "/v1/cache")).json()["preemptions"]
+        statuses = await asyncio.gather(*blocked)
+        others = await asyncio.gather(*shorts)
+        held = await wait_preemptions(s, before + PREEMPTIONS_PER_BURST)
+        print(
+            f"  burst: blockers {dict(Counter(statuses))}, short requests {dict(Counter(others))}, "
+            f"engine {held['requests']}, {held['preemptions'] - before} preemptions"
+        )
+    finally:
+        release.set()
+        results = await asyncio.gather(*tasks, return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException)]
+    assert not errors, errors
+    return statuses
+
+
+async def wait_preemptions(s: Soak, at_least: int) -> dict:
+    """Poll until the engine has preempted `at_least` times in all: the blockers outgrow the pool
+    (`max_num_seqs` sequences of 24+ tokens fill 768 cells), so preemption must come; the blockers'
+    prefix checks then cover preempted-and-resumed streams. Returns the last /v1/cache body."""
     deadline = time.monotonic() + 120
     while True:
         body = (await s.request("cache", "GET", "/v1/cache")).json()
-        if body["requests"]["waiting"] >= max_queue:
+        if body["preemptions"] >= at_least:
             return body
-        assert time.monotonic() < deadline, f"the queue never filled: {body['requests']}"
+        assert time.monotonic() < deadline, f"no preemption under cell pressure: {body['requests']}"
         await asyncio.sleep(0.05)
 
 
-async def burst(s: Soak, srv: ServerProcess, n: int) -> list[int]:
-    """Fill running + waiting with blockers, send `n` more, then release (cancel/drop) the blockers.
-    Returns the burst's statuses (known as soon as each is answered)."""
-    loop = asyncio.get_running_loop()
-    release = asyncio.Event()
-    blockers = [asyncio.create_task(blocker(s, k, release)) for k in range(srv.max_num_seqs + srv.max_queue)]
-    tasks: list[asyncio.Task] = []
-    try:
-        full = await wait_queue_full(s, srv.max_queue)
-        print(f"  burst: queue full at {full['requests']}, {full['preemptions']} preemptions so far")
-        statuses = [loop.create_future() for _ in range(n)]
-        tasks = [asyncio.create_task(burst_one(s, k, statuses[k], release)) for k in range(n)]
-        answered = await asyncio.gather(*statuses)
-    finally:
-        release.set()
-        results = await asyncio.gather(*blockers, *tasks, return_exceptions=True)
-    errors = [r for r in results if isinstance(r, BaseException)]
-    assert not errors, errors
-    return answered
+async def settle(s: Soak, baseline: dict, when: str) -> dict:
+    """Poll until nothing runs or waits and the cells are back to `baseline` (or POLL_S passed); assert
+    it, and no sequence is left; return the last /v1/cache body. The wait is printed."""
+    t0 = time.monotonic()
+    while True:
+        body = (await s.request("cache", "GET", "/v1/cache")).json()
+        settled = body["requests"] == {"running": 0, "waiting": 0} and body["cells"] == baseline
+        if settled or time.monotonic() - t0 > POLL_S:
+            break
+        await asyncio.sleep(0.05)
+    print(f"  {when}: settled in {time.monotonic() - t0:.2f}s, {body['preemptions']} preemptions so far")
+    assert body["requests"] == {"running": 0, "waiting": 0}, f"{when}: {body['requests']}"
+    assert body["cells"] == baseline, f"{when}: cells {body['cells']} != baseline {baseline} (leak)"
+    assert body["sequences"] == [], f"{when}: sequences left: {[q['id'] for q in body['sequences']]}"
+    return body
 
 
 # ----- rounds and the test -------------------------------------------------------------------
-async def run_round(srv: ServerProcess, profile: Profile, refs: dict, r: int) -> Soak:
-    """One storm then one burst, on a fresh client; returns it with its tally (problems not yet checked)."""
+async def run_round(srv: ServerProcess, profile: Profile, refs: dict, baseline: dict, r: int) -> Soak:
+    """One storm then one burst on a fresh client, each followed by a return to the baseline."""
     s = Soak(srv.url, random.Random(1000 + r), refs, max_connections=256)
     try:
         failures = await storm(s, profile)
         assert not failures, f"round {r}: {len(failures)} operations failed:\n" + "\n".join(failures)
+        await settle(s, baseline, f"round {r} storm")
         statuses = await burst(s, srv, profile.burst)
-        assert 429 in statuses, f"round {r}: nothing refused with the queue full: {statuses}"
+        assert 429 in statuses, f"round {r}: no blocker refused, yet they cannot all fit: {statuses}"
+        await settle(s, baseline, f"round {r} burst")
     finally:
         await s.aclose()
     return s
-
-
-def settle(srv: ServerProcess, baseline: dict) -> tuple[dict, float]:
-    """Poll until nothing runs or waits and the cells are back to `baseline`; return /v1/cache and the wait."""
-    t0 = time.monotonic()
-    with httpx.Client(base_url=srv.url, timeout=30) as c:
-        while True:
-            body = c.get("/v1/cache").raise_for_status().json()
-            settled = body["requests"] == {"running": 0, "waiting": 0} and body["cells"] == baseline
-            if settled or time.monotonic() - t0 > POLL_S:
-                return body, time.monotonic() - t0
-            time.sleep(0.05)
 
 
 def server_5xx(url: str) -> dict:
@@ -476,19 +622,20 @@ def server_5xx(url: str) -> dict:
     from prometheus_client.parser import text_string_to_metric_families
 
     text = httpx.get(url + "/metrics", timeout=30).text
-    return {s.labels["status"]: s.value for f in text_string_to_metric_families(text) for s in f.samples
-            if s.name == "cellserve:request_errors_total" and s.labels.get("status", "").startswith("5")
-            and s.value}
+    return {
+        s.labels["status"]: s.value
+        for f in text_string_to_metric_families(text)
+        for s in f.samples
+        if s.name == "cellserve:request_errors_total"
+        and s.labels.get("status", "").startswith("5")
+        and s.value
+    }
 
 
-def check_round(srv: ServerProcess, s: Soak, baseline: dict, loading_503: dict, r: int) -> float:
-    """Everything a finished round must leave behind; returns the server's RSS (MiB). The only 5xx the
-    server may have counted are the 503s /health answered while the model loaded (`loading_503`)."""
+def check_round(srv: ServerProcess, s: Soak, loading_503: dict, r: int) -> float:
+    """What a finished round must leave behind beyond the baseline cells; returns the server's RSS (MiB).
+    The only 5xx the server may have counted are the 503s /health gave while loading (`loading_503`)."""
     assert not s.problems, f"round {r}: contract violations:\n" + "\n".join(s.problems)
-    body, waited = settle(srv, baseline)
-    assert body["requests"] == {"running": 0, "waiting": 0}, body["requests"]
-    assert body["cells"] == baseline, f"round {r}: cells {body['cells']} != baseline {baseline} (leak)"
-    assert body["sequences"] == [], f"round {r}: sequences left: {[q['id'] for q in body['sequences']]}"
     assert httpx.get(srv.url + "/health", timeout=30).status_code == 200
     assert server_5xx(srv.url) == loading_503
     rss = srv.rss_mb()
@@ -498,17 +645,28 @@ def check_round(srv: ServerProcess, s: Soak, baseline: dict, loading_503: dict, 
             http[status] += n
         else:
             outcomes[f"{kind}: {status}"] += n
-    print(f"round {r}: {sum(http.values())} responses {dict(sorted(http.items()))}; {dict(sorted(outcomes.items()))}; "
-          f"{s.greedy_checked} greedy texts checked; settled in {waited:.2f}s; preemptions {body['preemptions']}; "
-          f"RSS {rss:.1f} MiB")
+    print(
+        f"round {r}: {sum(http.values())} responses {dict(sorted(http.items()))}; "
+        f"{dict(sorted(outcomes.items()))}; {s.greedy_checked} greedy texts checked; RSS {rss:.1f} MiB"
+    )
     return rss
+
+
+async def settle_once(url: str, refs: dict, baseline: dict) -> None:
+    s = Soak(url, random.Random(0), refs)
+    try:
+        await settle(s, baseline, "references")
+    finally:
+        await s.aclose()
 
 
 async def drain_on_sigterm(srv: ServerProcess) -> list:
     """SIGTERM while a stream is in flight: the stream still finishes (graceful drain)."""
     path, body = greedy_request(0, chat=False)
-    async with httpx.AsyncClient(base_url=srv.url, timeout=120) as c, \
-            c.stream("POST", path, json={**body, "max_tokens": 40, "stream": True}) as resp:
+    async with (
+        httpx.AsyncClient(base_url=srv.url, timeout=120) as c,
+        c.stream("POST", path, json={**body, "max_tokens": 40, "stream": True}) as resp,
+    ):
         assert resp.status_code == 200
         lines = resp.aiter_lines()
         events = await read_events(lines, limit=1)
@@ -522,8 +680,9 @@ def make_server(model_dir, tmp_path):  # noqa: F811
     started: list[ServerProcess] = []
 
     def make() -> ServerProcess:
-        srv = ServerProcess(model_dir, tmp_path / "serve.log", n_cells=N_CELLS, max_queue=MAX_QUEUE,
-                            max_num_seqs=MAX_NUM_SEQS)
+        srv = ServerProcess(
+            model_dir, tmp_path / "serve.log", n_cells=N_CELLS, max_queue=MAX_QUEUE, max_num_seqs=MAX_NUM_SEQS
+        )
         started.append(srv)
         srv.start()
         return srv
@@ -550,15 +709,17 @@ def test_soak(profile: Profile, make_server, model_dir):  # noqa: F811
     loading_503 = server_5xx(srv.url)
     assert set(loading_503) <= {"503"}
     refs = solo_references(srv.url, model_dir)
-    assert settle(srv, baseline)[0]["cells"] == baseline
+    asyncio.run(settle_once(srv.url, refs, baseline))
     print(f"\nserver up and references checked in {time.monotonic() - t0:.1f}s; baseline cells {baseline}")
     rss = []
     for r in range(profile.rounds):
-        s = asyncio.run(run_round(srv, profile, refs, r))
-        rss.append(check_round(srv, s, baseline, loading_503, r))
+        s = asyncio.run(run_round(srv, profile, refs, baseline, r))
+        rss.append(check_round(srv, s, loading_503, r))
     growth = rss[-1] - rss[0]
-    print(f"RSS (MiB) after each round: {[round(x, 1) for x in rss]}; growth after the warm-up round "
-          f"{growth:+.1f} MiB (max {max(rss) - rss[0]:+.1f}), bound {RSS_GROWTH_MB} MiB")
+    print(
+        f"RSS (MiB) after each round: {[round(x, 1) for x in rss]}; growth after the warm-up round "
+        f"{growth:+.1f} MiB (max {max(rss) - rss[0]:+.1f}), bound {RSS_GROWTH_MB} MiB"
+    )
     assert growth < RSS_GROWTH_MB
     _, finish = streamed_text(asyncio.run(drain_on_sigterm(srv)), chat=False)
     assert finish == "length"  # the in-flight stream was finished, not cut

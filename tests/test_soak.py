@@ -56,7 +56,7 @@ class Profile:
     burst: int  # requests sent into the full queue
 
 
-MIX = {  # operations per round at scale 1 (54)
+MIX = {  # operations per round at scale 1 (56)
     "greedy-cmpl": 5,
     "greedy-cmpl-stream": 4,
     "greedy-chat": 3,
@@ -66,6 +66,7 @@ MIX = {  # operations per round at scale 1 (54)
     "sdk-chat-stream": 2,
     "sampled-n2": 3,
     "sequence": 5,
+    "sequence-delete-busy": 2,
     "cancel": 6,
     "disconnect": 5,
     "disconnect-n3": 2,
@@ -110,13 +111,16 @@ def solo_references(url: str, model_path: str) -> dict:
 
 
 def offline_greedy(greedy: Greedy, prompts: dict, max_tokens: int) -> dict:
-    """Greedy texts of several prompts at once, from the offline `LLM` (the same engine, no server)."""
+    """Greedy texts of several prompts at once, from the offline `LLM` (the same engine, no server),
+    and under (kind + "-ids", i) each whole greedy history: prompt ids then generated ids."""
     from engine.sampling import SamplingParams
 
     keys = list(prompts)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     outs = greedy.llm.generate([prompts[k] for k in keys], params, use_tqdm=False)
-    return {k: out.outputs[0].text for k, out in zip(keys, outs)}
+    refs = {k: out.outputs[0].text for k, out in zip(keys, outs)}
+    refs.update({(f"{k[0]}-ids", k[1]): prompts[k] + out.outputs[0].token_ids for k, out in zip(keys, outs)})
+    return refs
 
 
 def solo_sequence_continuation(c: httpx.Client, i: int) -> str:
@@ -401,6 +405,40 @@ async def seq_busy_then_stop(s: Soak, seq_id: str, i: int, ids: list[str]) -> No
     assert length <= len(tokens) <= info["length"] and tokens == info["token_ids"][: len(tokens)]
 
 
+async def op_sequence_delete_busy(s: Soak) -> None:
+    """DELETE a sequence mid-generation after forking it: the stream ends at once (cancelled, or by
+    length if it had already finished), the sequence is gone, and the fork, whose cells were shared
+    with the deleted parent, continues on the very same greedy path (token ids checked)."""
+    i, ids = s.rng.randrange(len(PROMPTS)), []
+    try:
+        seq = (await s.request("seq-create", "POST", "/v1/sequences", json={"prompt": PROMPTS[i]})).json()
+        ids.append(seq["id"])
+        body = {"max_tokens": LONG_TOKENS, "temperature": 0, "ignore_eos": True}
+        async with s.stream("seq-long-stream", f"/v1/sequences/{seq['id']}/completions", body) as (_, lines):
+            events = await read_events(lines, limit=2)
+            snap = (await s.request("seq-fork-busy", "POST", f"/v1/sequences/{seq['id']}/fork")).json()
+            ids.append(snap["id"])
+            await s.request("seq-delete-busy", "DELETE", f"/v1/sequences/{seq['id']}")
+            ids.remove(seq["id"])
+            text, finish = streamed_text(events + await read_events(lines), chat=False)
+        assert finish in ("cancelled", "length"), finish
+        s.check_prefix("deleted sequence's stream", ("cmpl-long", i), text, finish)
+        await s.request("seq-deleted", "GET", f"/v1/sequences/{seq['id']}", expect=(404,))
+        await s.request(
+            "seq-deleted", "POST", f"/v1/sequences/{seq['id']}/completions", json={}, expect=(404,)
+        )
+        cont = {"max_tokens": GREEDY_TOKENS, "temperature": 0, "ignore_eos": True}
+        await s.request("seq-continue", "POST", f"/v1/sequences/{snap['id']}/completions", json=cont)
+        tokens = (await s.request("seq-get", "GET", f"/v1/sequences/{snap['id']}")).json()["token_ids"]
+        full = s.refs[("cmpl-long-ids", i)]
+        n = min(len(tokens), len(full))
+        assert tokens[:n] == full[:n], "the fork of a deleted sequence left the greedy path"
+        s.greedy_checked += 1
+    finally:
+        for sid in ids:
+            await s.request("seq-delete", "DELETE", f"/v1/sequences/{sid}")
+
+
 async def wait_sequence_idle(s: Soak, seq_id: str) -> dict:
     deadline = time.monotonic() + POLL_S
     while True:
@@ -457,6 +495,7 @@ OPS = {
     "sdk-chat-stream": lambda s: op_sdk(s, chat=True),
     "sampled-n2": op_sampled,
     "sequence": op_sequence,
+    "sequence-delete-busy": op_sequence_delete_busy,
     "cancel": op_cancel,
     "disconnect": op_disconnect,
     "disconnect-wait": op_disconnect_wait,

@@ -646,7 +646,9 @@ async def run_round(srv: ServerProcess, profile: Profile, refs: dict, baseline: 
     s = Soak(srv.url, random.Random(1000 + r), refs, max_connections=256)
     try:
         failures = await storm(s, profile)
-        assert not failures, f"round {r}: {len(failures)} operations failed:\n" + "\n".join(failures)
+        assert not failures, f"round {r}: {len(failures)} operations failed:\n" + "\n".join(
+            failures + s.problems
+        )
         await settle(s, baseline, f"round {r} storm")
         statuses = await burst(s, srv, profile.burst)
         assert 429 in statuses, f"round {r}: no blocker refused, yet they cannot all fit: {statuses}"

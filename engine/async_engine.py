@@ -72,7 +72,7 @@ class AsyncEngine:
     def from_pretrained(cls, model_path: str | Path | None, *, n_cells: int | None = None,
                         kv_memory_bytes: int | None = None, max_num_seqs: int = 256,
                         max_num_batched_tokens: int = 512, max_queue: int = 1024, seq_ttl_s: float = 600.0,
-                        threads: int | None = None, attention: str = "fast", dtype: torch.dtype = torch.float32,
+                        threads: int | None = None, attention: str = "fast", dtype: torch.dtype | str = "auto",
                         model_name: str | None = None) -> "AsyncEngine":
         """Load a local model folder (the bundled default model when `model_path` is None)."""
         if model_path is None:

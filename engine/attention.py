@@ -18,7 +18,6 @@ import os
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
@@ -121,18 +120,25 @@ def cell_gather_attention(module, query, key, value, attention_mask, scaling=Non
     idx = cell_rows.idx.to(key.device)
     n_tok, width = idx.shape
     n_kv = key.shape[1]
-    k = key[0].index_select(1, idx.reshape(-1)).view(n_kv, n_tok, width, -1).transpose(0, 1)
-    v = value[0].index_select(1, idx.reshape(-1)).view(n_kv, n_tok, width, -1).transpose(0, 1)
+    # [Hkv, T, L, D], contiguous straight out of index_select: batch dims stay collapsible, no copies.
+    k = key[0].index_select(1, idx.reshape(-1)).view(n_kv, n_tok, width, -1)
+    v = value[0].index_select(1, idx.reshape(-1)).view(n_kv, n_tok, width, -1)
     mask = torch.gather(attention_mask[0, 0], 1, idx)
     valid = cell_rows.valid.to(key.device)
+    # One query per row: plain batched matmuls beat sdpa's flash kernel here (q_len 1, tiny heads),
+    # especially in bf16. Queries sharing a KV head are grouped, so GQA needs no K/V copy.
+    n_heads, head_dim = query.shape[1], query.shape[3]
+    scale = scaling if scaling is not None else head_dim**-0.5
+    q = query[0].view(n_kv, n_heads // n_kv, n_tok, head_dim).transpose(1, 2)  # [Hkv, T, G, D]
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale  # [Hkv, T, G, L]
     if mask.dtype == torch.bool:
-        mask = mask & valid
+        scores.masked_fill_(~(mask & valid)[None, :, None, :], float("-inf"))
     else:
-        mask = mask.masked_fill(~valid, torch.finfo(mask.dtype).min)
-    q = query[0].transpose(0, 1).unsqueeze(2)  # [T, H, 1, D]
-    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask[:, None, None, :], scale=scaling,
-                                         enable_gqa=query.shape[1] != n_kv)
-    return out.squeeze(2).unsqueeze(0), None  # [1, T, H, D]
+        scores += mask.float()[None, :, None, :]
+        scores.masked_fill_(~valid[None, :, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.matmul(probs, v)  # [Hkv, T, G, D]
+    return out.permute(1, 0, 2, 3).reshape(1, n_tok, n_heads, head_dim), None  # [1, T, H, D]
 
 
 AttentionInterface.register(GATHER, cell_gather_attention)

@@ -134,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
+                    help="model dtype (bfloat16 uses the CPU's AVX512-BF16/AMX kernels where present)")
     ap.add_argument("--attention", default="fast", help="fast, reference, or both as 'fast,reference'")
     ap.add_argument("--hf-cb", default="8,32", help="concurrencies at which to run transformers generate_batch "
                     "('' to skip; it is slow on CPU)")
@@ -146,10 +148,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.model:
         from transformers import AutoModelForCausalLM
 
-        model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True, dtype=torch.float32).eval()
+        model = AutoModelForCausalLM.from_pretrained(args.model, local_files_only=True).eval()
     else:
         model = bench_llama_56m()
-    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, fp32")
+    model = model.to(getattr(torch, args.dtype))
+    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {args.dtype}")
     levels = [int(c) for c in args.concurrency.split(",")]
     hf_levels = {int(c) for c in args.hf_cb.split(",") if c}
     baseline = run_hf_generate(model, prompts_for(args.generate_requests, args.prompt_len), args.output_len)

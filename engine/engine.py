@@ -210,7 +210,9 @@ class Engine:
                 seqs.append(seq)
         # Token histories are only read for penalties: don't copy them for every row every step.
         pen = [s.params.has_penalties for s in seqs]
-        result = self.sampler(logits[rows], [s.params for s in seqs], [s.generator for s in seqs],
+        if rows != list(range(len(logits))):  # n > 1 children reuse their parent's row
+            logits = logits[rows]
+        result = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
                               [s.output_ids if p else [] for s, p in zip(seqs, pen)],
                               [s.token_ids[: s.gen_start] if p else [] for s, p in zip(seqs, pen)])
         news: dict[Request, dict[int, CompletionOutput]] = {}

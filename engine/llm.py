@@ -29,7 +29,7 @@ class LLM:
     """Runs many prompts to completion with continuous batching; returns outputs in prompt order."""
 
     def __init__(self, model: str | Path | None = None, *, runner: ModelRunner | None = None,
-                 dtype: torch.dtype = torch.float32, n_cells: int | None = None, threads: int | None = None,
+                 dtype: torch.dtype | str = "auto", n_cells: int | None = None, threads: int | None = None,
                  attention: str = "fast", max_num_seqs: int = 256, max_num_batched_tokens: int = 512):
         if runner is None:
             if model is None:

@@ -80,15 +80,21 @@ class ModelRunner:
         cls,
         path: str | Path,
         *,
-        dtype: torch.dtype = torch.float32,
+        dtype: torch.dtype | str = "auto",
         attn_implementation: str = "sdpa",
         device: str = "cpu",
         **kwargs,
     ) -> "ModelRunner":
-        """Load a local Hugging Face causal-LM folder (config, safetensors, tokenizer); never downloads."""
+        """Load a local Hugging Face causal-LM folder (config, safetensors, tokenizer); never downloads.
+
+        `dtype="auto"` keeps the checkpoint's dtype (as vLLM's default); a name like "bfloat16" or a
+        torch dtype forces one. On CPUs with AVX512-BF16/AMX, bfloat16 runs about twice as fast.
+        """
         path = Path(path)
         if not (path / "config.json").is_file():
             raise FileNotFoundError(f"{path} is not a model folder: it has no config.json")
+        if isinstance(dtype, str) and dtype != "auto":
+            dtype = getattr(torch, dtype)
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
         ).to(device)

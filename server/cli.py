@@ -62,6 +62,10 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=_positive_int, default=1024, help="waiting requests before 429")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                   help="model dtype (auto: as saved; bfloat16 is ~2x faster on CPUs with AVX512-BF16)")
+    p.add_argument("--attention", default="fast", choices=["fast", "reference"],
+                   help="fast: read only visible cells (default); reference: dense mask over the pool")
     p.add_argument("--served-model-name", default=None, help="model id reported by the API")
     p.add_argument("--seq-ttl", type=float, default=600.0, help="seconds before an idle sequence expires")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
@@ -81,10 +85,11 @@ def engine_factory(args: argparse.Namespace) -> Callable[[], object]:
         engine = AsyncEngine.from_pretrained(
             path, n_cells=args.n_cells, kv_memory_bytes=args.kv_memory, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue,
-            seq_ttl_s=args.seq_ttl, threads=args.threads)
+            seq_ttl_s=args.seq_ttl, threads=args.threads, dtype=args.dtype, attention=args.attention)
         pool = engine.n_cells * engine.cell_bytes
-        log.info("loaded %s (context %d tokens); cell pool: %d cells x %d B = %s",
-                 engine.model_name, engine.max_model_len, engine.n_cells, engine.cell_bytes, human_bytes(pool))
+        log.info("loaded %s (%s, context %d tokens); cell pool: %d cells x %d B = %s",
+                 engine.model_name, engine.engine.runner.dtype, engine.max_model_len, engine.n_cells,
+                 engine.cell_bytes, human_bytes(pool))
         return engine
 
     return build

@@ -49,6 +49,29 @@ def bench_llama_56m(seed: int = 0):
     return LlamaForCausalLM(config).eval()
 
 
+def save_bench_model(path, dtype: str = "float32") -> str:
+    """The 56M model as a servable folder, with a 32000-word WordLevel tokenizer (the load generator's
+    common English words first, then fillers) so that every id decodes to text. Random weights."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from server.bench.workloads import WORDS
+
+    specials = ["<unk>", "<s>", "</s>"]
+    words = specials + list(dict.fromkeys(WORDS)) + [f"w{i}" for i in range(32000)]
+    vocab = {w: i for i, w in enumerate(words[:32000])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>", eos_token="</s>",
+                                        chat_template="{% for m in messages %}{{ m['content'] }} {% endfor %}")
+    model = bench_llama_56m().to(getattr(torch, dtype))
+    model.config.bos_token_id, model.config.eos_token_id = 1, 2
+    model.generation_config.bos_token_id, model.generation_config.eos_token_id = 1, 2
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path)
+
+
 def prompts_for(n: int, length: int, seed: int = 1) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
     return torch.randint(10, 32000, (n, length), generator=g).tolist()
@@ -91,6 +114,7 @@ def run_hf_cb(model, prompts, output_len: int) -> Row:
     from transformers import GenerationConfig
 
     config = GenerationConfig(max_new_tokens=output_len, do_sample=False, eos_token_id=-1, pad_token_id=0)
+    model.set_attn_implementation("sdpa")  # a ModelRunner over this model switched it to cell_gather
     with torch.inference_mode():
         model.generate_batch(prompts[:1], generation_config=config)  # warm-up, not timed
         t0, c0 = time.perf_counter(), time.process_time()
@@ -101,6 +125,7 @@ def run_hf_cb(model, prompts, output_len: int) -> Row:
 
 
 def run_hf_generate(model, prompts, output_len: int) -> Row:
+    model.set_attn_implementation("sdpa")
     t0, c0 = time.perf_counter(), time.process_time()
     n = 0
     with torch.inference_mode():
@@ -141,7 +166,12 @@ def main(argv: list[str] | None = None) -> int:
                     "('' to skip; it is slow on CPU)")
     ap.add_argument("--generate-requests", type=int, default=2, help="requests for the sequential baseline")
     ap.add_argument("--json", help="write every row here")
+    ap.add_argument("--save-model", metavar="DIR", help="only save the 56M model (with a tokenizer) to DIR, "
+                    "for `cellserve serve --model DIR`, and exit")
     args = ap.parse_args(argv)
+    if args.save_model:
+        print("saved", save_bench_model(args.save_model, args.dtype))
+        return 0
     torch.set_num_threads(args.threads)
     print("command:", "cellserve bench engine", " ".join(argv if argv is not None else sys.argv[1:]))
     print("machine:", machine())

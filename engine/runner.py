@@ -38,6 +38,8 @@ class ModelRunner:
 
     `attention="fast"` reads only the cells visible to the step (compacted window);
     `attention="reference"` reads the whole window with a dense mask (the oracle in tests).
+    With "fast", an sdpa model is switched to the `cell_gather` attention implementation; outside a
+    cell step (no `cell_rows` given) it behaves exactly like sdpa, so the model stays usable as is.
     """
 
     def __init__(

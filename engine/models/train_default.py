@@ -358,7 +358,7 @@ def train(model, stream, starts, heldout_ids, cfg: TrainConfig, bos_id: int) -> 
 
 
 def show_samples(model, tokenizer, prompt: str = "ROMEO:", new_tokens: int = 80) -> None:
-    """Print a greedy and a seeded sampled continuation of `prompt` (quoted in docs/default-model.md)."""
+    """Print a greedy and a seeded sampled continuation of `prompt` (quoted in the README)."""
     model.eval()
     inputs = tokenizer(prompt, return_tensors="pt")
     greedy = model.generate(**inputs, do_sample=False, max_new_tokens=new_tokens)

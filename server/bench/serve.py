@@ -45,7 +45,7 @@ def _number_list(text: str, kind: type, name: str) -> list:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """All `bench serve` flags (see the README, "Benchmarks")."""
+    """All `bench serve` flags (see the README section 'Benchmarks')."""
     g = p.add_argument_group("target")
     g.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default %(default)s)")
     g.add_argument("--model", help="model name to send (default: first entry of GET /v1/models)")
@@ -84,7 +84,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="cellserve bench serve",
-                                description="Load-test an OpenAI-compatible server; see the README, "Benchmarks".")
+                                description="Load-test an OpenAI-compatible server; see the README section 'Benchmarks'.")
     add_arguments(p)
     return p
 
@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register `serve` on an argparse subparsers object; its `func(args)` runs the benchmark."""
     p = subparsers.add_parser("serve", help="load-test an OpenAI-compatible server",
-                              description="Load-test an OpenAI-compatible server; see the README, "Benchmarks".")
+                              description="Load-test an OpenAI-compatible server; see the README section 'Benchmarks'.")
     add_arguments(p)
     p.set_defaults(func=run_args)
     return p

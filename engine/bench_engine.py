@@ -90,24 +90,41 @@ class TimedRunner(ModelRunner):
             self.forward_s += time.perf_counter() - t
 
 
-def run_cellserve(model, prompts, output_len: int, attention: str) -> Row:
-    runner = TimedRunner(model, n_cells=len(prompts) * (len(prompts[0]) + output_len) + 64, attention=attention)
+def run_cellserve(model, prompts, output_len: int, attention: str, concurrency: int | None = None) -> Row:
+    """Run every prompt; with `concurrency` < len(prompts) keep that many in flight (closed loop, like
+    `cellserve bench serve --concurrency`), else submit them all at once."""
+    concurrency = concurrency or len(prompts)
+    n_cells = concurrency * (max(len(p) for p in prompts) + output_len) + 64
+    runner = TimedRunner(model, n_cells=n_cells, attention=attention)
     engine = Engine(runner, EngineConfig(max_num_seqs=256, max_num_batched_tokens=2048, max_queue=1 << 20))
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
-    first: dict[str, float] = {}
+    sent: dict[str, float] = {}
+    ttft: list[float] = []
+    pending = list(enumerate(prompts))
     t0, c0 = time.perf_counter(), time.process_time()
-    for i, p in enumerate(prompts):
-        engine.add_request(str(i), p, params)
+
+    def submit(k: int) -> None:
+        for _ in range(k):
+            if pending:
+                i, p = pending.pop(0)
+                sent[str(i)] = time.perf_counter()
+                engine.add_request(str(i), p, params)
+
+    submit(concurrency)
     step_s = 0.0
     while engine.has_unfinished():
         ts = time.perf_counter()
-        for out in engine.step():
-            first.setdefault(out.request_id, time.perf_counter() - t0)
+        outs = engine.step()
         step_s += time.perf_counter() - ts
+        now = time.perf_counter()
+        for out in outs:
+            if out.request_id in sent and out.outputs and out.outputs[0].token_ids:
+                ttft.append(now - sent.pop(out.request_id))
+        submit(sum(o.finished for o in outs))
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    ttft = torch.tensor(sorted(first.values()))
-    return Row(f"cellserve ({attention})", len(prompts), engine.generated_tokens, wall, cpu,
-               float(ttft.quantile(0.5)), float(ttft.quantile(0.99)), 1 - runner.forward_s / step_s)
+    q = torch.tensor(ttft)
+    return Row(f"cellserve ({attention})", concurrency, engine.generated_tokens, wall, cpu,
+               float(q.quantile(0.5)), float(q.quantile(0.99)), 1 - runner.forward_s / step_s)
 
 
 def run_hf_cb(model, prompts, output_len: int) -> Row:
@@ -156,6 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="cellserve bench engine", description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="local HF folder (default: the 56M-parameter Llama config, random weights)")
     ap.add_argument("--concurrency", default="1,8,32,64", help="comma-separated request counts")
+    ap.add_argument("--requests", type=int, default=0, help="requests per level; more than the concurrency "
+                    "runs a closed loop (the same shape as `bench serve`); default: concurrency, all at once")
     ap.add_argument("--prompt-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
@@ -188,8 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     baseline = run_hf_generate(model, prompts_for(args.generate_requests, args.prompt_len), args.output_len)
     rows = [baseline]
     for c in levels:
-        prompts = prompts_for(c, args.prompt_len)
-        level = [run_cellserve(model, prompts, args.output_len, attention) for attention in args.attention.split(",")]
+        prompts = prompts_for(max(c, args.requests), args.prompt_len)
+        level = [run_cellserve(model, prompts, args.output_len, attention, c)
+                 for attention in args.attention.split(",")]
         if c in hf_levels:
             level.append(run_hf_cb(model, prompts, args.output_len))
         print_table(level, baseline)

@@ -33,9 +33,10 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import engine.runner as runner_mod
+from engine.bench_engine import bench_llama_56m
 from engine.runner import ModelRunner
 
 
@@ -56,11 +57,8 @@ class Row:
 
 
 def bench_model(attn: str = "sdpa") -> LlamaForCausalLM:
-    torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=2048,
-                         tie_word_embeddings=False)
-    model = LlamaForCausalLM(config).to(torch.float32)
+    """The benchmarks' 56M Llama (engine.bench_engine.bench_llama_56m), fp32, with `attn`."""
+    model = bench_llama_56m().to(torch.float32)
     model.set_attn_implementation(attn)
     return model.eval()
 

@@ -6,6 +6,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
-import torch  # noqa: E402
+import torch
 
 torch.set_num_threads(1)

@@ -38,7 +38,8 @@ def flatten_step(chunks: dict[int, tuple[list[int], int]]) -> FlatStep:
     lens = torch.tensor(lengths, dtype=torch.int64)
     starts = torch.tensor([start for _, start in chunks.values()], dtype=torch.int64)
     ids = torch.tensor(list(chunks.keys()), dtype=torch.int64)
-    tokens = torch.tensor([t for token_ids, _ in chunks.values() for t in token_ids], dtype=torch.int64)
+    # One tensor per sequence, concatenated: a loop over sequences, never over the step's tokens.
+    tokens = torch.cat([torch.as_tensor(token_ids, dtype=torch.int64) for token_ids, _ in chunks.values()])
     offsets = torch.cumsum(lens, 0) - lens  # first row of each chunk
     seq_ids = torch.repeat_interleave(ids, lens)
     row = torch.arange(int(lens.sum()))

@@ -69,12 +69,12 @@ class Engine:
             raise SequenceBusy(f"sequence {seq_id} is already generating; wait or cancel it")
         if seq is not None and params.n != 1:
             raise InvalidRequest("n must be 1 when continuing a sequence; fork it for more branches", "n")
-        if seq is None and not prompt_ids:
+        history = len(seq.token_ids) if seq else 0
+        if history + len(prompt_ids) == 0:
             raise InvalidRequest("the prompt is empty: give at least one token", "prompt")
         self._check_tokens(prompt_ids)
         params.check_vocab(self.vocab_size)
-        history = (seq.token_ids if seq else []) + list(prompt_ids)
-        self._check_fits(len(history), params.max_tokens, params.n)
+        self._check_fits(history + len(prompt_ids), params.max_tokens, params.n)
         self._check_queue()
         # max_tokens 0 asks for no token (SamplingParams' contract): the prompt is cached, nothing sampled.
         req = Request(request_id, list(prompt_ids), params, emit or (lambda out: None),
@@ -91,18 +91,14 @@ class Engine:
         return req
 
     def create_sequence(self, prompt_ids, emit=None) -> tuple[Sequence, Request]:
-        """A new persistent sequence, prefilled as soon as it is scheduled (a prefill-only request)."""
-        if not prompt_ids:
-            raise InvalidRequest("the prompt is empty: give at least one token", "prompt")
-        self._check_tokens(prompt_ids)
-        self._check_fits(len(prompt_ids), 0, 1)
-        self._check_queue()
-        seq = Sequence(_new_id("seq"), list(prompt_ids), persistent=True)
-        req = Request(_new_id("prefill"), list(prompt_ids), SamplingParams(max_tokens=0), emit or (lambda o: None),
-                      prefill_only=True, persistent_seq=seq)
+        """A new persistent sequence, prefilled as soon as it is scheduled (a max_tokens=0 request on it)."""
+        seq = Sequence(_new_id("seq"), [], persistent=True)
         self.sequences[seq.seq_id] = seq
-        self.requests[req.request_id] = req
-        self._start(req, seq, 0)
+        try:
+            req = self.add_request(_new_id("prefill"), prompt_ids, SamplingParams(max_tokens=0), emit, seq.seq_id)
+        except Exception:
+            del self.sequences[seq.seq_id]  # refused: nothing was created
+            raise
         return seq, req
 
     def cancel(self, request_id: str) -> bool:

@@ -345,7 +345,8 @@ def _flat_index(rows: list[int], seqs: Sequence[Sequence[int]], device) -> tuple
     """(row index, token id) tensors for scattering each row's token ids into a [B, V] matrix."""
     lengths = torch.tensor([len(s) for s in seqs], device=device)
     r = torch.repeat_interleave(torch.tensor(rows, device=device), lengths)
-    t = torch.tensor([tok for s in seqs for tok in s], device=device, dtype=torch.long)
+    # One tensor per row, concatenated: no Python loop over the (possibly long) token histories.
+    t = torch.cat([torch.as_tensor(s, dtype=torch.long) for s in seqs]).to(device)
     return r, t
 
 

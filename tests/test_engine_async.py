@@ -149,3 +149,43 @@ def test_shutdown_cancels_what_is_left_and_refuses_new_work(model):
     assert _run(main()) == "cancelled"
     assert not aeng.accepting and not aeng._thread.is_alive()
     assert aeng.engine.cache.free_cells() == 256 and not aeng.engine.has_unfinished()
+
+
+def test_launch_builds_the_engine_on_the_thread_that_runs_it(model):
+    """All torch work on one thread (see engine/async_engine.py): the builder runs on the loop thread."""
+    import threading
+
+    seen: dict[str, threading.Thread] = {}
+
+    def build():
+        seen["build"] = threading.current_thread()
+        engine = make_engine(model=model, n_cells=64)
+        step = engine.step
+
+        def recording_step():
+            seen["step"] = threading.current_thread()
+            return step()
+
+        engine.step = recording_step
+        return engine
+
+    aeng = AsyncEngine.launch(build, model_name="tiny")
+    assert aeng.accepting and aeng.model_name == "tiny"
+
+    async def main():
+        tokens, finish, _ = await _collect(aeng.generate("r", prompt(5, seed=3), greedy(4)))
+        await aeng.shutdown()
+        return tokens, finish
+
+    tokens, finish = _run(main())
+    assert finish == "length" and tokens == greedy_oracle(model, prompt(5, seed=3), 4)
+    assert seen["build"] is seen["step"] is not threading.main_thread()
+    assert not seen["build"].is_alive()
+
+
+def test_launch_raises_what_the_builder_raised():
+    def build():
+        raise FileNotFoundError("no model folder at /nowhere")
+
+    with pytest.raises(FileNotFoundError, match="/nowhere"):
+        AsyncEngine.launch(build)

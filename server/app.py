@@ -24,7 +24,7 @@ from server.errors import APIError, install_error_handlers
 log = logging.getLogger("cellserve.server")
 
 
-def require_api_key(request: Request) -> None:
+async def require_api_key(request: Request) -> None:
     """`Authorization: Bearer <key>` when the server has a key; constant-time compare."""
     expected = ServerContext.of(request).api_key
     if not expected:

@@ -72,9 +72,10 @@ def save_bench_model(path, dtype: str = "float32") -> str:
     return str(path)
 
 
-def prompts_for(n: int, length: int, seed: int = 1) -> list[list[int]]:
+def prompts_for(n: int, length: int, seed: int = 1, vocab_size: int = 32000) -> list[list[int]]:
+    """Random prompts over the vocabulary, clear of the first ids (where special tokens usually sit)."""
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(10, 32000, (n, length), generator=g).tolist()
+    return torch.randint(min(10, vocab_size // 2), vocab_size, (n, length), generator=g).tolist()
 
 
 class TimedRunner(ModelRunner):
@@ -204,10 +205,12 @@ def main(argv: list[str] | None = None) -> int:
     print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.1f}M parameters, {args.dtype}")
     levels = [int(c) for c in args.concurrency.split(",")]
     hf_levels = {int(c) for c in args.hf_cb.split(",") if c}
-    baseline = run_hf_generate(model, prompts_for(args.generate_requests, args.prompt_len), args.output_len)
+    vocab = model.config.vocab_size
+    baseline = run_hf_generate(model, prompts_for(args.generate_requests, args.prompt_len, vocab_size=vocab),
+                               args.output_len)
     rows = [baseline]
     for c in levels:
-        prompts = prompts_for(max(c, args.requests), args.prompt_len)
+        prompts = prompts_for(max(c, args.requests), args.prompt_len, vocab_size=vocab)
         level = [run_cellserve(model, prompts, args.output_len, attention, c)
                  for attention in args.attention.split(",")]
         if c in hf_levels:

@@ -137,9 +137,10 @@ def run_server(args: argparse.Namespace) -> int:
 
 
 def _bench(argv: list[str]) -> int:
-    if not argv or argv[0] not in ("serve", "engine", "compare"):
-        print("usage: cellserve bench {serve,engine,compare} ...  (serve: load-test an HTTP server; "
-              "engine: measure the engine offline; compare: tabulate and plot several serve results)",
+    if not argv or argv[0] not in ("serve", "engine", "compare", "overhead"):
+        print("usage: cellserve bench {serve,engine,compare,overhead} ...  (serve: load-test an HTTP server; "
+              "engine: measure the engine offline; compare: tabulate and plot several serve results; "
+              "overhead: server vs offline engine throughput on one workload, in one run)",
               file=sys.stderr)
         return 2
     module = f"server.bench.{argv[0]}"
@@ -161,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="cellserve", description="Multi-sequence LLM inference server.")
     sub = parser.add_subparsers(dest="command", required=True)
     serve_parser(sub.add_parser("serve", help="run the OpenAI-compatible HTTP server"))
-    sub.add_parser("bench", help="benchmarks: `cellserve bench serve|engine|compare ...`")
+    sub.add_parser("bench", help="benchmarks: `cellserve bench serve|engine|compare|overhead ...`")
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return run_server(args)

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from engine.detok import OutputDetokenizer, context_ids
 from engine.engine import Engine, EngineConfig
 from engine.errors import EngineUnavailable, RequestNotFound
 from engine.outputs import EngineStats, RequestOutput, SequenceInfo
@@ -43,6 +44,7 @@ class RequestStream:
         self.request_id = request_id
         self.queue: asyncio.Queue[RequestOutput] = asyncio.Queue()
         self.done = False
+        self.detok: OutputDetokenizer | None = None  # set when the text is made here, not on the engine thread
 
     def __aiter__(self) -> AsyncIterator[RequestOutput]:
         return self
@@ -52,7 +54,7 @@ class RequestStream:
             raise StopAsyncIteration
         out = await self.queue.get()
         self.done = out.finished
-        return out
+        return self.detok.apply(out) if self.detok is not None else out
 
 
 class AsyncEngine:
@@ -146,10 +148,22 @@ class AsyncEngine:
     # ----- requests --------------------------------------------------------------------------
     async def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
                      seq_id: str | None = None) -> RequestStream:
-        """Queue a generation; raise at once if it cannot be served; return its output stream."""
+        """Queue a generation; raise at once if it cannot be served; return its output stream.
+
+        Without stop strings the text is decoded by the stream, on the caller's event loop, so the
+        engine thread only schedules, runs the model and samples; a stop string must end the
+        generation before the next token is sampled, so those requests are decoded by the engine."""
         stream = RequestStream(request_id)
         emit = self._emitter(stream)
-        await self._call(lambda: self.engine.add_request(request_id, prompt_ids, params, emit, seq_id))
+        here = self.tokenizer is not None and not params.stop
+
+        def add() -> list[int]:
+            req = self.engine.add_request(request_id, prompt_ids, params, emit, seq_id, detokenize=not here)
+            return context_ids(req.seqs[0].token_ids)
+
+        context = await self._call(add)
+        if here:
+            stream.detok = OutputDetokenizer(self.tokenizer, context)
         return stream
 
     async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,

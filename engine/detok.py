@@ -13,6 +13,10 @@ held back until it cannot be, so a stop string is never half-sent before it is r
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from engine.outputs import RequestOutput
 
 REPLACEMENT_CHAR = "\ufffd"
 CONTEXT_TOKENS = 5  # prompt tokens decoded as context for the first output token (vLLM's choice)
@@ -133,3 +137,35 @@ class IncrementalDetokenizer:
             if any(len(s) > k and s.startswith(tail) for s in self.stop):
                 return k
         return 0
+
+
+def context_ids(token_ids: Sequence[int]) -> list[int]:
+    """The tail of a sequence's tokens that `IncrementalDetokenizer` reads as context."""
+    return list(token_ids[-(CONTEXT_TOKENS + 3):])
+
+
+class OutputDetokenizer:
+    """Fills in the `text` of one request's outputs, on the consumer's thread instead of the engine's.
+
+    For a request the engine ran with `detokenize=False` (no stop strings), it feeds each choice's
+    token ids to an `IncrementalDetokenizer` exactly as the engine would have, so the text is the
+    same: the token that ends a choice by EOS or a stop-token id carries no text; a choice that ends
+    by `stop` or `length` flushes what was held back; a cancelled or failed one does not.
+    `context` is the sequence's tokens before generation (`context_ids`), shared by all choices.
+    """
+
+    def __init__(self, tokenizer, context: Sequence[int]):
+        self.tokenizer = tokenizer
+        self.context = list(context)
+        self._choices: dict[int, IncrementalDetokenizer] = {}
+
+    def apply(self, out: RequestOutput) -> RequestOutput:
+        for choice in out.outputs:
+            detok = self._choices.get(choice.index)
+            if detok is None:
+                detok = self._choices[choice.index] = IncrementalDetokenizer(self.tokenizer, self.context)
+            ids = choice.token_ids[:-1] if choice.finish_reason == "stop" else choice.token_ids
+            choice.text = detok.push(ids) if ids else ""
+            if choice.finish_reason in ("stop", "length"):
+                choice.text += detok.flush()
+        return out

@@ -59,9 +59,16 @@ class Engine:
         self.steps = self.generated_tokens = self.prompt_tokens = 0
 
     # ----- requests --------------------------------------------------------------------------
-    def add_request(self, request_id, prompt_ids, params: SamplingParams, emit=None, seq_id=None) -> Request:
+    def add_request(self, request_id, prompt_ids, params: SamplingParams, emit=None, seq_id=None, *,
+                    detokenize: bool = True) -> Request:
         """Queue a generation. With `seq_id`, `prompt_ids` are appended to that persistent sequence
-        and the output stays in it. Raises (changing nothing) if it cannot be served."""
+        and the output stays in it. Raises (changing nothing) if it cannot be served.
+
+        `detokenize=False` leaves every output's `text` empty, for a consumer that decodes the tokens
+        itself off this thread (`OutputDetokenizer`); refused with stop strings, which must end the
+        generation here, before the next token is sampled."""
+        if not detokenize and params.stop:
+            raise InvalidRequest("stop strings need the engine's detokenizer: keep detokenize=True", "stop")
         if request_id in self.requests:
             raise InvalidRequest(f"request id {request_id!r} is already in flight", "request_id")
         seq = self._persistent(seq_id) if seq_id is not None else None
@@ -78,7 +85,7 @@ class Engine:
         self._check_queue()
         # max_tokens 0 asks for no token (SamplingParams' contract): the prompt is cached, nothing sampled.
         req = Request(request_id, list(prompt_ids), params, emit or (lambda out: None),
-                      prefill_only=params.max_tokens == 0)
+                      prefill_only=params.max_tokens == 0, detokenize=detokenize)
         if seq is None:
             seq = Sequence(_new_id("gen"), list(prompt_ids))
         else:
@@ -192,7 +199,7 @@ class Engine:
         seq.params = req.params.for_child(index) if index else req.params
         seq.generator = None if seq.params.greedy else make_generator(seq.params)
         seq.detok = None
-        if self.tokenizer is not None and not req.prefill_only:
+        if self.tokenizer is not None and not req.prefill_only and req.detokenize:
             seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, stop=req.params.stop)
         req.seqs.append(seq)
         self.scheduler.remove(seq)

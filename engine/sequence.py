@@ -85,6 +85,7 @@ class Request:
     emit: Callable[[RequestOutput], None]
     seqs: list[Sequence] = field(default_factory=list)
     prefill_only: bool = False
+    detokenize: bool = True  # False: the consumer makes the text (AsyncEngine, requests without stop strings)
     persistent_seq: Sequence | None = None  # set when the request runs on a persistent sequence
     children_pending: int = 0  # n - 1 forks to make once the prompt is prefilled
     timing: Timing = field(default_factory=lambda: Timing(queued=time.monotonic()))

@@ -93,7 +93,7 @@ def test_serve_exits_1_when_the_model_cannot_load(tmp_path):
 
 def test_bench_dispatch_needs_a_subcommand(capsys):
     assert main(["bench"]) == 2
-    assert "cellserve bench {serve,engine,compare}" in capsys.readouterr().err
+    assert "cellserve bench {serve,engine,compare,overhead}" in capsys.readouterr().err
 
 
 def test_serve_rejects_conflicting_pool_options():

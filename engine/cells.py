@@ -111,6 +111,7 @@ class CellCache(Cache):
     - every verb validates its arguments before changing anything, so a failed call leaves the
       cache exactly as it was;
     - cells are interchangeable, so a step that passes `can_extend` cannot fail to allocate;
+    - `free_cells`, `used_cells` and `can_extend` cost no tensor work: the verbs keep the count;
     - `read_len` is one past the highest occupied cell: freeing trailing cells shrinks it.
     """
 
@@ -133,6 +134,7 @@ class CellCache(Cache):
         self.n_owners = torch.zeros(n_cells, dtype=torch.int32)
         self.pos = torch.full((n_cells,), -1, dtype=torch.int64)
         self.read_len = 0
+        self._n_used = 0  # cells with an owner, kept by the verbs so that admission costs no reduction
         self.plan: StepPlan | None = None
         self._served = torch.zeros(n_layers, dtype=torch.bool)
 
@@ -141,7 +143,7 @@ class CellCache(Cache):
         return self.n_cells - self.used_cells()
 
     def used_cells(self) -> int:
-        return int((self.n_owners[: self.read_len] > 0).sum())
+        return self._n_used
 
     def can_extend(self, n: int) -> bool:
         return self.free_cells() >= n
@@ -185,6 +187,7 @@ class CellCache(Cache):
         self.n_owners[cells] = 1
         self.pos[cells] = positions
         self.read_len = max(self.read_len, int(cells[-1]) + 1)
+        self._n_used += n_tok
         self.plan = self._plan(cells, seq_ids, positions)
         self._served.zero_()
         return self.plan
@@ -201,6 +204,7 @@ class CellCache(Cache):
         self.owner[plan.seq_ids, plan.cells] = False
         self.n_owners[plan.cells] = 0
         self.pos[plan.cells] = -1
+        self._n_used -= plan.cells.numel()
         self._shrink_read_len()
 
     def seq_cp(self, src: int, dst: int, upto: int | None = None) -> None:
@@ -227,7 +231,9 @@ class CellCache(Cache):
         freed = sel & (self.n_owners[:r] == 0)
         self.pos[:r].masked_fill_(freed, -1)
         self._shrink_read_len()
-        return int(freed.sum())
+        n_freed = int(freed.sum())
+        self._n_used -= n_freed
+        return n_freed
 
     def take_layer(self, layer_idx: int) -> StepPlan:
         """Called by each layer's `update`: the current plan, once per layer per step."""

@@ -48,7 +48,7 @@ class IncrementalDetokenizer:
         self.skip_special_tokens = skip_special_tokens
         self.stop = list(stop)
         self._max_stop = max((len(s) for s in self.stop), default=0)
-        self._ids = self._context(list(prompt_ids[-(CONTEXT_TOKENS + 3):]))  # context + output tokens
+        self._ids = self._context(context_ids(prompt_ids))  # context + output tokens
         self._n_context = len(self._ids)
         self._prefix_offset = 0  # start of the already-emitted tokens decoded as context
         self._read_offset = self._n_context  # first token whose text has not been emitted yet

@@ -3,7 +3,7 @@
 Each tick builds one flat step: a decode token for every running sequence, then prefill chunks
 (chunked prefill, mixed with the decodes) of running-but-unfinished and waiting sequences, up to
 `max_num_batched_tokens` tokens and `max_num_seqs` sequences. Admission is `can_extend` before the
-forward (free cells read once a tick, plus what the tick's evictions free). When cells run short it first drops the cells of idle and waiting sequences (least
+forward. When cells run short it first drops the cells of idle and waiting sequences (least
 recently used first), then preempts the most recently admitted running sequence (its cells go,
 its tokens stay; it goes back to the front of the queue and re-prefills later). It never fails
 what is in flight to make room.
@@ -52,7 +52,6 @@ class Scheduler:
         self._free_slots = list(range(cache.max_seqs))
         heapq.heapify(self._free_slots)
         self.preemptions = 0
-        self._free_cells = 0  # free cells as of this tick's start plus what it released (see schedule)
 
     # ----- queue -----------------------------------------------------------------------------
     def enqueue(self, seq: Sequence, front: bool = False) -> None:
@@ -87,7 +86,7 @@ class Scheduler:
         """Drop all of `seq`'s cells and its slot; its tokens stay."""
         if seq.slot is None:
             return
-        self._free_cells += self.cache.seq_rm(seq.slot)
+        self.cache.seq_rm(seq.slot)
         del self.holders[seq.slot]
         heapq.heappush(self._free_slots, seq.slot)
         seq.slot, seq.n_cached = None, 0
@@ -112,9 +111,6 @@ class Scheduler:
         self._chunks: dict[Sequence, Chunk] = {}  # insertion-ordered; sequences hash by identity
         self._step_tokens = 0
         self._preempted_now: set[Sequence] = set()
-        # Read the pool once per tick; releases below add what they free (seq_rm returns it), so
-        # admission never re-counts the pool per sequence.
-        self._free_cells = self.cache.free_cells()
         budget = self.max_num_batched_tokens
         # Decodes first (1 token each), then unfinished prefills, oldest first.
         for seq in sorted(self.running, key=lambda s: (s.pending > 1, s.admitted_at)):
@@ -143,7 +139,7 @@ class Scheduler:
         self._step_tokens += n
 
     def _room_for_running(self, seq: Sequence, n: int) -> bool:
-        while self._free_cells < self._step_tokens + n:
+        while not self.cache.can_extend(self._step_tokens + n):
             if self._evict_one():
                 continue
             victim = max(self.running, key=lambda s: s.admitted_at)
@@ -158,7 +154,7 @@ class Scheduler:
     def _room_for_waiting(self, seq: Sequence, n: int) -> bool:
         if not self.acquire_slot(seq):
             return False
-        while self._free_cells < self._step_tokens + n:
+        while not self.cache.can_extend(self._step_tokens + n):
             if not self._evict_one(exclude=(seq,)):
                 return False
         return True

@@ -28,7 +28,7 @@ import torch
 from engine.detok import OutputDetokenizer, context_ids
 from engine.engine import Engine, EngineConfig
 from engine.errors import EngineUnavailable, RequestNotFound
-from engine.outputs import EngineStats, RequestOutput, SequenceInfo
+from engine.outputs import CompletionOutput, EngineStats, RequestOutput, SequenceInfo
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 
@@ -78,6 +78,8 @@ class AsyncEngine:
         self._accepting = True
         self._stats = engine.stats()
         self._outbox: list[tuple[asyncio.AbstractEventLoop, RequestStream, RequestOutput]] = []
+        self.failure: str | None = None  # why the loop thread stopped, if it ever did
+        self.on_failure: Callable[[str], None] | None = None  # called (on the loop thread) if it does
 
     @classmethod
     def launch(cls, build: Callable[[], Engine], model_name: str = "cellserve") -> "AsyncEngine":
@@ -133,9 +135,11 @@ class AsyncEngine:
         """Stop admitting, let in-flight requests finish for up to `grace_s`, cancel the rest, stop."""
         self._accepting = False
         deadline = time.monotonic() + grace_s
-        while self._stats.running + self._stats.waiting and time.monotonic() < deadline:
+        while (self.failure is None and self._stats.running + self._stats.waiting
+               and time.monotonic() < deadline):
             await asyncio.sleep(0.05)
-        await self._call(self._cancel_all, check_accepting=False)
+        if self.failure is None and self._thread is not None and self._thread.is_alive():
+            await self._call(self._cancel_all, check_accepting=False)
         self._stopping = True
         self._commands.put(None)
         if self._thread is not None:
@@ -161,7 +165,7 @@ class AsyncEngine:
             req = self.engine.add_request(request_id, prompt_ids, params, emit, seq_id, detokenize=not here)
             return context_ids(req.seqs[0].token_ids)
 
-        context = await self._call(add)
+        context = await self._call(add, undo=lambda _: self.engine.cancel(request_id))
         if here:
             stream.detok = OutputDetokenizer(self.tokenizer, context)
         return stream
@@ -183,16 +187,28 @@ class AsyncEngine:
 
     # ----- persistent sequences --------------------------------------------------------------
     async def create_sequence(self, prompt_ids: list[int]) -> SequenceInfo:
-        """A new persistent sequence, returned once its prompt is prefilled."""
+        """A new persistent sequence, returned once its prompt is prefilled. If the caller is cancelled
+        (its client left) before it returns, the sequence is deleted: no id nobody received holds cells."""
         stream = RequestStream("create")
         emit = self._emitter(stream)
-        seq_id = await self._call(lambda: self.engine.create_sequence(prompt_ids, emit)[0].seq_id)
-        async for _ in stream:
-            pass
-        return await self.sequence_info(seq_id)
+        seq_id = await self._call(lambda: self.engine.create_sequence(prompt_ids, emit)[0].seq_id,
+                                  undo=self._delete_quietly)
+        try:
+            async for _ in stream:
+                pass
+            return await self.sequence_info(seq_id)
+        except asyncio.CancelledError:
+            self._commands.put((lambda: self._delete_quietly(seq_id), None))
+            raise
 
     async def fork(self, seq_id: str, at: int | None = None) -> SequenceInfo:
-        return await self._call(lambda: self.engine.sequence_info(self.engine.fork(seq_id, at).seq_id))
+        """A new sequence sharing `seq_id`'s cells; rolled back if the caller is cancelled before it returns."""
+        return await self._call(lambda: self.engine.sequence_info(self.engine.fork(seq_id, at).seq_id),
+                                undo=lambda info: self._delete_quietly(info.seq_id))
+
+    def _delete_quietly(self, seq_id: str) -> None:
+        if seq_id in self.engine.sequences:
+            self.engine.delete(seq_id)
 
     async def truncate(self, seq_id: str, length: int) -> SequenceInfo:
         return await self._call(lambda: self.engine.sequence_info(self.engine.truncate(seq_id, length).seq_id))
@@ -206,6 +222,11 @@ class AsyncEngine:
     async def list_sequences(self) -> list[SequenceInfo]:
         return await self._call(lambda: [self.engine.sequence_info(s) for s in list(self.engine.sequences)],
                                 check_accepting=False)
+
+    def check_fits(self, prompt_lens: list[int], max_tokens: int, n: int = 1) -> None:
+        """`Engine.check_fits` (PromptTooLong for what can never run); reads constants only, so it is
+        safe from the event loop and lets several prompts be refused together, before any is submitted."""
+        self.engine.check_fits(prompt_lens, max_tokens, n)
 
     def stats(self) -> EngineStats:
         """The engine's counters as of the last tick; never waits for the loop."""
@@ -230,30 +251,55 @@ class AsyncEngine:
             except RuntimeError:  # that event loop is closed: nobody is listening any more
                 log.debug("dropping %d outputs for a closed event loop", len(items))
 
-    async def _call(self, fn, check_accepting: bool = True):
+    async def _call(self, fn, check_accepting: bool = True, undo: Callable | None = None):
+        """Run `fn()` on the loop thread at the next step boundary and return its result.
+
+        If the caller is cancelled (its client left) before the command ran, the command never runs;
+        if it had already run, `undo(result)` is queued, so a command nobody waits for leaves nothing
+        behind (an orphan sequence or a request no one reads)."""
+        if self.failure is not None:
+            raise EngineUnavailable(f"the engine loop has stopped ({self.failure}); restart the server")
         if check_accepting and not self.accepting:
             raise EngineUnavailable("the engine is not running (loading or shutting down); retry later")
         future: concurrent.futures.Future = concurrent.futures.Future()
         self._commands.put((fn, future))
-        return await asyncio.wrap_future(future)
+        if self.failure is not None:  # the loop died between our check and the put: nobody will apply it
+            self._fail_queued()
+        try:
+            return await asyncio.wrap_future(future)
+        except asyncio.CancelledError:
+            if undo is not None:
+                future.add_done_callback(lambda f: self._undo_if_done(f, undo))
+            raise
+
+    def _undo_if_done(self, future: concurrent.futures.Future, undo: Callable) -> None:
+        if not future.cancelled() and future.exception() is None:
+            result = future.result()
+            self._commands.put((lambda: undo(result), None))
 
     def _cancel_all(self) -> None:
         for request_id in list(self.engine.requests):
             self.engine.cancel(request_id)
 
     def _loop(self) -> None:
+        try:
+            self._run()
+        except BaseException as exc:  # noqa: BLE001 - reported: /health turns 503 and the server exits
+            self._die(exc)
+
+    def _run(self) -> None:
         engine = self.engine
         last_expiry = time.monotonic()
         while not self._stopping:
-            self._drain(block=not engine.has_unfinished())
             try:
+                self._drain(block=not engine.has_unfinished())
                 if engine.has_unfinished():
                     engine.step()
                 if time.monotonic() - last_expiry > 1.0:
                     engine.expire_idle()
                     last_expiry = time.monotonic()
             except Exception:  # a bug outside the forward: fail what is in flight, keep serving
-                log.exception("engine step failed; cancelling in-flight requests")
+                log.exception("engine tick failed; cancelling in-flight requests")
                 self._cancel_all()
             self._stats = engine.stats()
             self._flush()
@@ -270,19 +316,53 @@ class AsyncEngine:
             except queue.Empty:
                 return
 
-    def _apply(self, fn, future) -> None:
+    def _apply(self, fn, future: concurrent.futures.Future | None) -> None:
+        """Apply one command. A future its caller already cancelled is skipped (the command never
+        runs); once marked running it cannot be cancelled, so completing it cannot raise."""
+        if future is not None and not future.set_running_or_notify_cancel():
+            return
         try:
             result = fn()
-        except Exception as exc:  # noqa: BLE001 - a refused command changes nothing; its caller gets the error
-            self._stats = self.engine.stats()
-            self._flush()
+        except Exception as exc:  # a refused command changes nothing; its caller gets the error
+            if future is None:
+                log.exception("engine command failed")
+            self._after_command()
             if future is not None:
                 future.set_exception(exc)
             return
-        self._stats = self.engine.stats()
-        self._flush()
+        self._after_command()
         if future is not None:
             future.set_result(result)
+
+    def _after_command(self) -> None:
+        self._stats = self.engine.stats()
+        self._flush()
+
+    def _fail_queued(self) -> None:
+        """Fail every command still queued (the loop is gone): their callers get a 503, never a hang."""
+        while True:
+            try:
+                item = self._commands.get_nowait()
+            except queue.Empty:
+                return
+            if item is not None and item[1] is not None and item[1].set_running_or_notify_cancel():
+                item[1].set_exception(EngineUnavailable(f"the engine loop has stopped ({self.failure})"))
+
+    def _die(self, exc: BaseException) -> None:
+        """The loop cannot go on: say why, end every in-flight request with an error, fail queued commands."""
+        self.failure = f"{type(exc).__name__}: {exc}"
+        log.critical("the engine loop stopped: %s", self.failure, exc_info=exc)
+        for request_id, req in list(self.engine.requests.items()):
+            out = RequestOutput(request_id, [CompletionOutput(i, finish_reason="error", error=self.failure)
+                                             for i in range(req.params.n)], req.prompt_ids, True)
+            try:
+                req.emit(out)
+            except Exception:  # best effort: the loop is already dying
+                log.exception("could not fail request %s", request_id)
+        self._flush()
+        self._fail_queued()
+        if self.on_failure is not None:
+            self.on_failure(self.failure)
 
 
 def _deliver(items: list[tuple[RequestStream, RequestOutput]]) -> None:

@@ -12,6 +12,7 @@ held back until it cannot be, so a stop string is never half-sent before it is r
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -131,12 +132,19 @@ class IncrementalDetokenizer:
         return index, self.stop[i]
 
     def _partial_stop_len(self, buf: str) -> int:
-        """Length of the longest suffix of buf that is a proper prefix of some stop string."""
+        """Length of the longest suffix of buf that is a proper prefix of some stop string: one set
+        lookup per candidate length, so the cost does not grow with the number of stop strings."""
+        prefixes = _proper_prefixes(tuple(self.stop))
         for k in range(min(len(buf), self._max_stop - 1), 0, -1):
-            tail = buf[-k:]
-            if any(len(s) > k and s.startswith(tail) for s in self.stop):
+            if buf[-k:] in prefixes:
                 return k
         return 0
+
+
+@functools.lru_cache(maxsize=256)
+def _proper_prefixes(stop: tuple[str, ...]) -> frozenset[str]:
+    """Every non-empty proper prefix of every stop string (shared by the n choices of a request)."""
+    return frozenset(s[:k] for s in stop for k in range(1, len(s)))
 
 
 def context_ids(token_ids: Sequence[int]) -> list[int]:

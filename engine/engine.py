@@ -81,7 +81,7 @@ class Engine:
             raise InvalidRequest("the prompt is empty: give at least one token", "prompt")
         self._check_tokens(prompt_ids)
         params.check_vocab(self.vocab_size)
-        self._check_fits(history + len(prompt_ids), params.max_tokens, params.n)
+        self.check_fits([history + len(prompt_ids)], params.max_tokens, params.n)
         self._check_queue()
         # max_tokens 0 asks for no token (SamplingParams' contract): the prompt is cached, nothing sampled.
         req = Request(request_id, list(prompt_ids), params, emit or (lambda out: None),
@@ -325,16 +325,23 @@ class Engine:
         if bad:
             raise InvalidRequest(f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})", "prompt")
 
-    def _check_fits(self, n_prompt: int, max_tokens: int, n: int) -> None:
+    def check_fits(self, prompt_lens: list[int], max_tokens: int, n: int = 1) -> None:
+        """Refuse (PromptTooLong, changing nothing) what can never run: a prompt + max_tokens beyond the
+        model's context, or all prompts x n choices beyond the whole cell pool (admitting that would
+        preempt every other request and still not fit). Reads only constants: safe from any thread."""
         limit = self.runner.max_model_len
-        if n_prompt + max_tokens > limit:
+        longest = max(prompt_lens)
+        if longest + max_tokens > limit:
             raise PromptTooLong(
-                f"{n_prompt} prompt tokens + max_tokens {max_tokens} exceed the model's context of {limit} tokens; "
-                "shorten the prompt or lower max_tokens", "max_tokens" if n_prompt < limit else "prompt")
-        if n_prompt + n * max_tokens > self.cache.n_cells:
+                f"{longest} prompt tokens + max_tokens {max_tokens} exceed the model's context of {limit} tokens; "
+                "shorten the prompt or lower max_tokens", "max_tokens" if longest < limit else "prompt")
+        need = sum(prompt_lens) + len(prompt_lens) * n * max_tokens
+        if need > self.cache.n_cells:
+            what = f"{len(prompt_lens)} prompts" if len(prompt_lens) > 1 else "the prompt"
             raise PromptTooLong(
-                f"{n_prompt} prompt tokens + {n} x max_tokens {max_tokens} exceed the whole cell pool "
-                f"({self.cache.n_cells} cells); shorten the request or start the server with more cells", "prompt")
+                f"{what} ({sum(prompt_lens)} tokens) + {len(prompt_lens) * n} choices x max_tokens {max_tokens} "
+                f"need {need} cells, more than the whole cell pool ({self.cache.n_cells} cells); send fewer "
+                "prompts or choices, lower max_tokens, or start the server with more cells", "prompt")
 
     def _check_queue(self) -> None:
         if len(self.scheduler.waiting) >= self.config.max_queue:

@@ -37,9 +37,10 @@ class SequenceBusy(EngineError):
 
 
 class PromptTooLong(EngineError):
-    """Prompt plus max_tokens cannot fit in the model's context or in the whole cell pool."""
+    """Prompt plus max_tokens cannot fit in the model's context or in the whole cell pool. HTTP 400 with
+    code `context_length_exceeded`, as OpenAI and vLLM answer, so clients' overflow handling fires."""
 
-    status = 413
+    status = 400
     code = "context_length_exceeded"
 
 

@@ -32,6 +32,10 @@ from engine.errors import InvalidRequest
 
 MAX_LOGPROBS = 20
 MAX_N = 64
+# Stop strings are matched on the engine thread after every token of every row: these caps bound that
+# cost whatever a request sends (OpenAI allows 4 stop strings; lm-eval and agents send a handful).
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
 GREEDY_EPS = 1e-5
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # the range torch.Generator.manual_seed accepts
 
@@ -123,6 +127,11 @@ class SamplingParams:
             raise SamplingError("stop", f"must be a string or a list of strings, got {stop!r}")
         if any(s == "" for s in stop):
             raise SamplingError("stop", "stop strings must be non-empty; remove the empty string")
+        if len(stop) > MAX_STOP_STRINGS:
+            raise SamplingError("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(stop)}")
+        longest = max((len(s) for s in stop), default=0)
+        if longest > MAX_STOP_CHARS:
+            raise SamplingError("stop", f"a stop string may have at most {MAX_STOP_CHARS} characters, got {longest}")
         return list(stop)
 
     @staticmethod

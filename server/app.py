@@ -16,10 +16,12 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
+from fastapi.routing import APIRoute
 
 from server import routes_openai, routes_ops, routes_sequences
 from server.context import ServerContext
 from server.errors import APIError, install_error_handlers
+from server.limits import BodySizeLimit, Limits
 
 log = logging.getLogger("cellserve.server")
 
@@ -37,10 +39,16 @@ async def require_api_key(request: Request) -> None:
 
 
 def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str | None = None,
-              shutdown_grace_s: float = 30.0, on_load_error=None) -> FastAPI:
-    """The HTTP app over `engine` (an AsyncEngine, or a zero-argument callable that builds one)."""
+              shutdown_grace_s: float = 30.0, on_fatal=None, limits: Limits | None = None) -> FastAPI:
+    """The HTTP app over `engine` (an AsyncEngine, or a zero-argument callable that builds one).
+
+    `on_fatal(reason)` is called if the model fails to load or the engine loop dies (the CLI exits
+    non-zero). With an `api_key` the interactive docs and the OpenAPI schema are off: every route but
+    `/health` and `/metrics` needs the key, and the docs cannot send it. Paths are matched exactly
+    (no trailing-slash redirects, which would build a `Location` from the client's `Host`), and every
+    GET route answers HEAD too (HEAD-based health checks)."""
     ctx = ServerContext(engine, served_model_name=served_model_name, api_key=api_key,
-                        shutdown_grace_s=shutdown_grace_s, on_load_error=on_load_error)
+                        shutdown_grace_s=shutdown_grace_s, on_fatal=on_fatal, limits=limits)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
@@ -50,12 +58,17 @@ def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str
         finally:
             await ctx.shutdown()
 
-    app = FastAPI(title="cellserve", version="0.1.0", lifespan=lifespan,
-                  description="Multi-sequence LLM inference over one shared pool of KV cells.")
+    docs = {} if not api_key else {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(title="cellserve", version="0.1.0", lifespan=lifespan, redirect_slashes=False,
+                  description="Multi-sequence LLM inference over one shared pool of KV cells.", **docs)
     app.state.ctx = ctx
     install_error_handlers(app)
     app.include_router(routes_ops.public)
     guarded = [Depends(require_api_key)]
     for router in (routes_openai.router, routes_sequences.router, routes_ops.router):
         app.include_router(router, dependencies=guarded)
+    for route in app.routes:
+        if isinstance(route, APIRoute) and "GET" in route.methods:
+            route.methods.add("HEAD")
+    app.add_middleware(BodySizeLimit, limits=ctx.limits)
     return app

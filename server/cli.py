@@ -9,15 +9,20 @@ is left, shut the engine down and exit 0.
 
 import argparse
 import logging
+import os
 import re
 import signal
 import sys
+import threading
 from collections.abc import Callable
+
+from server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CHOICES, DEFAULT_MAX_PROMPTS
 
 log = logging.getLogger("cellserve")
 # Idle keep-alive connections are closed after this long. Well above common clients' own pool expiry
 # (httpx: 5 s), so a client never reuses a connection at the instant the server closes it (ReadError).
 KEEP_ALIVE_S = 30
+SHUTDOWN_SLACK_S = 10  # after SIGTERM, the process exits at most this long after the grace period
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
                "g": 10**9, "gb": 10**9, "gib": 2**30, "t": 10**12, "tb": 10**12, "tib": 2**40}
@@ -69,6 +74,12 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="model id reported by the API")
     p.add_argument("--seq-ttl", type=float, default=600.0, help="seconds before an idle sequence expires")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    p.add_argument("--max-body-bytes", type=parse_size, default=DEFAULT_MAX_BODY_BYTES,
+                   help="largest request body accepted (413 beyond, unread), e.g. 8MiB")
+    p.add_argument("--max-prompts", type=_positive_int, default=DEFAULT_MAX_PROMPTS,
+                   help="prompts in one completions request (400 beyond)")
+    p.add_argument("--max-choices", type=_positive_int, default=DEFAULT_MAX_CHOICES,
+                   help="choices (prompts x n) in one request (400 beyond)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return p
 
@@ -99,17 +110,19 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     from server.app import build_app
+    from server.limits import Limits
 
-    failed: list[BaseException] = []
+    failed: list[str] = []
     server: uvicorn.Server | None = None
 
-    def on_load_error(exc: BaseException) -> None:
-        failed.append(exc)
+    def on_fatal(reason: str) -> None:  # the model failed to load, or the engine loop died
+        failed.append(reason)
         if server is not None:
             server.should_exit = True
 
+    limits = Limits(max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts, max_choices=args.max_choices)
     app = build_app(engine_factory(args), served_model_name=args.served_model_name, api_key=args.api_key,
-                    shutdown_grace_s=args.shutdown_grace, on_load_error=on_load_error)
+                    shutdown_grace_s=args.shutdown_grace, on_fatal=on_fatal, limits=limits)
     ctx = app.state.ctx
 
     class DrainingServer(uvicorn.Server):
@@ -119,6 +132,10 @@ def run_server(args: argparse.Namespace) -> int:
         a drained server exits with status 0 (a second SIGINT still forces the exit)."""
 
         def handle_exit(self, sig, frame) -> None:
+            if not self.should_exit:  # whatever hangs, the process is gone a few seconds after the grace
+                watchdog = threading.Timer(args.shutdown_grace + SHUTDOWN_SLACK_S, _exit_now)
+                watchdog.daemon = True
+                watchdog.start()
             ctx.begin_drain()
             if self.should_exit and sig == signal.SIGINT:
                 self.force_exit = True
@@ -131,9 +148,15 @@ def run_server(args: argparse.Namespace) -> int:
              "until it is ready)", args.host, args.port)
     server.run()
     if failed:
-        log.error("exiting: the model failed to load (%s)", failed[0])
+        log.error("exiting with status 1: %s", failed[0])
         return 1
     return 0
+
+
+def _exit_now() -> None:
+    log.error("shutdown did not finish within --shutdown-grace + %d s; exiting now", SHUTDOWN_SLACK_S)
+    logging.shutdown()
+    os._exit(1)
 
 
 def _bench(argv: list[str]) -> int:

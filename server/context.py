@@ -1,6 +1,7 @@
 """Shared state of one server: the engine's lifecycle as HTTP sees it, and what routes share.
 
-Lifecycle: `loading` -> `ready` -> `draining` -> `stopped` (or `failed` if loading raised). Only
+Lifecycle: `loading` -> `ready` -> `draining` -> `stopped` (or `failed` if loading raised or the engine
+loop died: then `on_fatal` is called, so the CLI exits non-zero and a supervisor restarts it). Only
 `ready` admits work; every other state answers 503 with a message saying why, so a client can tell
 "try again soon" (loading) from "go elsewhere" (draining/stopped/failed). The engine is either given
 ready-made (tests inject a real engine built from a tiny model) or built by a factory in a worker
@@ -15,6 +16,7 @@ from typing import Any
 from fastapi import Request
 
 from server.errors import APIError
+from server.limits import Limits
 from server.metrics import ServerMetrics
 from server.tokenization import TokenizerService
 
@@ -25,7 +27,8 @@ EngineFactory = Callable[[], Any]
 
 class ServerContext:
     def __init__(self, engine: Any, *, served_model_name: str | None = None, api_key: str | None = None,
-                 shutdown_grace_s: float = 30.0, on_load_error: Callable[[BaseException], None] | None = None):
+                 shutdown_grace_s: float = 30.0, on_fatal: Callable[[str], None] | None = None,
+                 limits: Limits | None = None):
         self._factory: EngineFactory | None = None if _is_engine(engine) else engine
         self.engine: Any | None = engine if _is_engine(engine) else None
         self.state = "loading"
@@ -33,7 +36,8 @@ class ServerContext:
         self.served_model_name = served_model_name
         self.api_key = api_key
         self.shutdown_grace_s = shutdown_grace_s
-        self.on_load_error = on_load_error
+        self.on_fatal = on_fatal
+        self.limits = limits or Limits()
         self.tokens: TokenizerService | None = None
         self.metrics = ServerMetrics(self._stats)
         self.runs: dict[str, Any] = {}
@@ -55,18 +59,26 @@ class ServerContext:
             engine = await asyncio.to_thread(self._factory)
             self._attach(engine)
         except BaseException as exc:  # noqa: BLE001 -- reported through /health and the callback
-            self.state, self.error = "failed", f"{type(exc).__name__}: {exc}"
-            log.error("model failed to load: %s", self.error)
-            if self.on_load_error is not None:
-                self.on_load_error(exc)
+            self.state, self.error = "failed", f"the model failed to load ({type(exc).__name__}: {exc})"
+            log.error("%s", self.error)
+            if self.on_fatal is not None:
+                self.on_fatal(self.error)
 
     def _attach(self, engine: Any) -> None:
         engine.start()
         self.engine = engine
-        self.tokens = TokenizerService(engine.tokenizer)
+        engine.on_failure = self._engine_failed
+        self.tokens = TokenizerService(engine.tokenizer, max_model_len=engine.max_model_len)
         if self.served_model_name is None:
             self.served_model_name = engine.model_name
         self.state = "ready"
+
+    def _engine_failed(self, reason: str) -> None:
+        """Called on the engine's thread if its loop dies: stop answering 200 and let the process exit."""
+        self.state, self.error = "failed", f"the engine loop stopped ({reason})"
+        log.critical("%s; the server will exit", self.error)
+        if self.on_fatal is not None:
+            self.on_fatal(self.error)
 
     def begin_drain(self) -> None:
         """Stop admitting new work (SIGTERM); in-flight requests keep going until the grace ends."""
@@ -91,7 +103,7 @@ class ServerContext:
             "loading": "the model is still loading; retry in a few seconds",
             "draining": "the server is shutting down and admits no new requests",
             "stopped": "the server has stopped",
-            "failed": f"the model failed to load ({self.error}); see the server log",
+            "failed": f"{self.error}; see the server log",
         }[self.state]
         raise APIError(503, why, code="unavailable")
 

@@ -148,6 +148,8 @@ def install_error_handlers(app: FastAPI) -> None:
             message, code = f"no route {request.method} {request.url.path}; see GET /docs for the API", "not_found"
         elif exc.status_code == 405:
             message, code = f"method {request.method} is not allowed on {request.url.path}", "method_not_allowed"
+        elif exc.status_code == 413:
+            code = "body_too_large"
         return _respond(request, APIError(exc.status_code, message, code=code))
 
     @app.exception_handler(Exception)

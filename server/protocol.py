@@ -28,6 +28,7 @@ class StrictModel(BaseModel):
     @classmethod
     def _null_means_default(cls, data: Any) -> Any:
         if isinstance(data, dict):
+            _check_text(data, "")
             return {k: v for k, v in data.items() if v is not None}
         return data
 
@@ -38,6 +39,24 @@ class ParamError(ValueError):
     def __init__(self, param: str, message: str):
         super().__init__(message)
         self.param = param
+
+
+def _check_text(value: Any, path: str) -> None:
+    """Every string in the body must be encodable Unicode: JSON allows escapes of lone surrogates
+    (`"\\ud800"`), which no tokenizer can take. Raises naming the field instead of failing later."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ParamError(path or "body", f"contains an unpaired surrogate (U+{ord(value[exc.start]):04X}) at "
+                             f"character {exc.start}, which is not valid Unicode text; send UTF-8 text") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, path or "body")
+            _check_text(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_text(item, f"{path}[{i}]")
 
 
 def _is_token_list(value: Any) -> bool:

@@ -29,11 +29,13 @@ def new_id(prefix: str) -> str:
 async def completions(body: CompletionRequest, request: Request) -> Response:
     ctx = ServerContext.of(request)
     engine = ctx.require_engine()
+    ctx.limits.check_choices(len(body.prompt), body.n)
     prompts = [await ctx.tokens.encode(p) if isinstance(p, str) else p for p in body.prompt]
     prefixes = None
     if body.echo:
         prefixes = [p if isinstance(p, str) else await ctx.tokens.decode(p) for p in body.prompt]
     max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
+    engine.check_fits([len(p) for p in prompts], max_tokens, body.n)
     params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
     run = GenerationRun(engine, new_id("cmpl"), prompts, params, metrics=ctx.metrics)
     fmt = Formatter(ctx, run, n=body.n, want_logprobs=body.logprobs is not None,
@@ -45,6 +47,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = ServerContext.of(request)
     engine = ctx.require_engine()
+    ctx.limits.check_choices(1, body.n)
     messages = [m.as_template_dict() for m in body.messages]
     prompt = await ctx.tokens.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
     max_tokens = body.max_new_tokens()

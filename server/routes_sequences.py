@@ -15,7 +15,7 @@ from fastapi import APIRouter, Body, Request
 from fastapi.responses import Response
 
 from server.context import ServerContext
-from server.generation import GenerationRun
+from server.generation import ClientGone, GenerationRun, await_or_disconnect
 from server.params import sampling_params
 from server.protocol import ForkRequest, SequenceCompletionRequest, SequenceCreateRequest, TruncateRequest
 from server.routes_openai import COMPLETION_DEFAULT_MAX_TOKENS, new_id
@@ -59,14 +59,17 @@ async def _prompt_ids(ctx: ServerContext, prompt: str | list[int] | None, messag
     return list(prompt or [])
 
 
-@router.post("/v1/sequences")
-async def create_sequence(body: SequenceCreateRequest, request: Request) -> dict:
+@router.post("/v1/sequences", response_model=None)
+async def create_sequence(body: SequenceCreateRequest, request: Request) -> Response | dict:
     ctx = ServerContext.of(request)
     engine = ctx.require_engine()
     ids = await _prompt_ids(ctx, body.prompt, body.messages, body.add_generation_prompt, add_special_tokens=True)
     if not ids:
         ids = await ctx.tokens.encode("")  # BOS, or a 400 saying the model has none
-    info = await engine.create_sequence(ids)
+    try:  # a create whose client is gone is rolled back by the engine (no orphan sequence)
+        info = await await_or_disconnect(request, engine.create_sequence(ids), lambda: None)
+    except ClientGone:
+        return Response(status_code=499)
     return sequence_view(info)
 
 
@@ -101,11 +104,16 @@ async def sequence_completions(seq_id: str, body: SequenceCompletionRequest, req
 OPTIONAL_FORK_BODY = Body(None)
 
 
-@router.post("/v1/sequences/{seq_id}/fork")
-async def fork_sequence(seq_id: str, request: Request, body: ForkRequest | None = OPTIONAL_FORK_BODY) -> dict:
+@router.post("/v1/sequences/{seq_id}/fork", response_model=None)
+async def fork_sequence(seq_id: str, request: Request,
+                        body: ForkRequest | None = OPTIONAL_FORK_BODY) -> Response | dict:
     engine = ServerContext.of(request).require_engine()
     at = body.at if body is not None else None
-    return sequence_view(await engine.fork(seq_id, at))
+    try:  # a fork whose client is gone is rolled back by the engine
+        info = await await_or_disconnect(request, engine.fork(seq_id, at), lambda: None)
+    except ClientGone:
+        return Response(status_code=499)
+    return sequence_view(info)
 
 
 @router.post("/v1/sequences/{seq_id}/truncate")

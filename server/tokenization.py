@@ -8,6 +8,11 @@ Guarantees:
   token, otherwise it is a 400 that says so.
 - Per-token strings (for logprobs) come from a bounded cache, so formatting top-k logprobs does not
   re-run the tokenizer for tokens it has already seen.
+- Text that cannot fit the context whatever it tokenizes to (more non-whitespace characters than
+  `max_model_len` x the longest vocabulary entry) is a 400 `context_length_exceeded` before any
+  tokenization, so a huge prompt costs a count, not seconds of CPU and a tokenizer's memory.
+  (Whitespace is not counted: some tokenizers drop it. A tokenizer that maps a long unknown word to
+  one token could in principle fit such text; no prompt worth serving looks like that.)
 """
 
 import asyncio
@@ -22,15 +27,17 @@ TOKEN_STR_CACHE = 1 << 16
 class TokenizerService:
     """Wraps a Hugging Face tokenizer (only `encode`, `decode`, `apply_chat_template` are used)."""
 
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, max_model_len: int | None = None):
         self.tok = tokenizer
         self._token_strs: dict[int, str] = {}
+        self.max_chars = None if max_model_len is None else max_model_len * _longest_token_chars(tokenizer)
 
     @property
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tok, "chat_template", None))
 
     async def encode(self, text: str, *, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
+        self.check_length([text], param)
         ids = await asyncio.to_thread(self.tok.encode, text, add_special_tokens=add_special_tokens)
         return self._non_empty(list(ids), param)
 
@@ -38,6 +45,7 @@ class TokenizerService:
         if not self.has_chat_template:
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions with a "
                            "plain prompt instead", param="messages")
+        self.check_length([m.get("content") or "" for m in messages], "messages")
         try:
             out = await asyncio.to_thread(
                 self.tok.apply_chat_template, list(messages), add_generation_prompt=add_generation_prompt,
@@ -62,6 +70,16 @@ class TokenizerService:
                 self._token_strs[token_id] = s
         return s
 
+    def check_length(self, texts: Sequence[str], param: str) -> None:
+        """400 `context_length_exceeded` if these texts cannot fit the context whatever their tokens."""
+        if self.max_chars is None:
+            return
+        chars = sum(len(t) - sum(t.count(w) for w in _WHITESPACE) for t in texts)
+        if chars > self.max_chars:
+            raise APIError(400, f"{param} has {chars} non-whitespace characters, more than can fit the model's "
+                           f"context (at most {self.max_chars}); shorten it", param=param,
+                           code="context_length_exceeded")
+
     def _non_empty(self, ids: list[int], param: str) -> list[int]:
         if ids:
             return ids
@@ -70,3 +88,14 @@ class TokenizerService:
             return [bos]
         raise APIError(400, f"{param} is empty after tokenization and the model has no BOS token to start "
                        "from; send some text", param=param)
+
+
+_WHITESPACE = (" ", "\n", "\t", "\r")
+
+
+def _longest_token_chars(tokenizer: Any) -> int:
+    """The most characters one token can stand for (vocabulary entries, byte-level ones 1 char a byte)."""
+    get_vocab = getattr(tokenizer, "get_vocab", None)
+    if get_vocab is None:  # a tokenizer without a vocabulary listing: assume a generous bound
+        return 64
+    return max((len(t) for t in get_vocab()), default=64) or 64

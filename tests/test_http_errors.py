@@ -95,13 +95,17 @@ def test_sequence_argument_ranges_are_400(srv):
         c.delete(f"/v1/sequences/{seq['id']}")
 
 
-def test_oversized_requests_are_413(srv):
+def test_context_overflow_is_400_context_length_exceeded(srv):
+    """OpenAI's and vLLM's shape: 400 with code context_length_exceeded (clients' overflow handling
+    looks for a 400)."""
     with srv.client() as c:
-        err = assert_error(c.post("/v1/completions", json={"prompt": "x " * 600, "max_tokens": 4}), 413)
+        err = assert_error(c.post("/v1/completions", json={"prompt": "x " * 600, "max_tokens": 4}), 400)
         assert err["code"] == "context_length_exceeded"
-        assert_error(c.post("/v1/completions", json={"prompt": "ROMEO", "max_tokens": 5000}), 413)
+        err = assert_error(c.post("/v1/completions", json={"prompt": "ROMEO", "max_tokens": 5000}), 400)
+        assert (err["code"], err["param"]) == ("context_length_exceeded", "max_tokens")
         # fits the model's context (512) but not the pool (600 cells) with n=3
-        assert_error(c.post("/v1/completions", json={"prompt": "ROMEO", "max_tokens": 300, "n": 3}), 413)
+        err = assert_error(c.post("/v1/completions", json={"prompt": "ROMEO", "max_tokens": 300, "n": 3}), 400)
+        assert err["code"] == "context_length_exceeded"
 
 
 def test_busy_sequence_is_409(long_model_dir):  # noqa: F811
@@ -133,9 +137,9 @@ def test_openai_sdk_raises_typed_errors(srv):
     with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL_NAME, prompt="x", max_tokens=-1)
     assert info.value.body["param"] == "max_tokens"
-    with pytest.raises(openai.APIStatusError) as info:
+    with pytest.raises(openai.BadRequestError) as info:
         client.completions.create(model=MODEL_NAME, prompt="x" * 2000, max_tokens=4)
-    assert info.value.status_code == 413
+    assert info.value.body["code"] == "context_length_exceeded"
 
 
 def test_server_is_healthy_after_all_that(srv):

@@ -125,7 +125,7 @@ def test_param_paths():
 
 def test_engine_errors_keep_status_code_and_param():
     err = APIError.from_engine(PromptTooLong("too long", "max_tokens"))
-    assert (err.status, err.param, err.code) == (413, "max_tokens", "context_length_exceeded")
+    assert (err.status, err.param, err.code) == (400, "max_tokens", "context_length_exceeded")
     assert err.body() == {"error": {"message": "too long", "type": "invalid_request_error",
                                     "param": "max_tokens", "code": "context_length_exceeded"}}
     busy = APIError.from_engine(QueueFull("full"))

@@ -59,12 +59,14 @@ class LiveServer:
     """`with LiveServer(model_dir, n_cells=...) as srv:` -> srv.url, srv.client(), srv.cache()."""
 
     def __init__(self, model_dir: str, *, api_key: str | None = None, grace_s: float = 2.0, factory=None,
-                 **engine_kw):
-        """`factory`: build the engine lazily through it instead (the app loads it in the background)."""
+                 limits=None, **engine_kw):
+        """`factory`: build the engine lazily through it instead (the app loads it in the background).
+        `limits`: a `server.limits.Limits` (request limits), else the defaults."""
         engine_kw.setdefault("n_cells", 2048)
         self.engine = None if factory else AsyncEngine.from_pretrained(model_dir, **engine_kw)
+        self.fatal: list[str] = []
         self.app = build_app(factory or self.engine, served_model_name=MODEL_NAME, api_key=api_key,
-                             shutdown_grace_s=grace_s)
+                             shutdown_grace_s=grace_s, limits=limits, on_fatal=self.fatal.append)
         self.ctx = self.app.state.ctx
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

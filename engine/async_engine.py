@@ -28,6 +28,7 @@ import torch
 from engine.detok import OutputDetokenizer, context_ids
 from engine.engine import Engine, EngineConfig
 from engine.errors import EngineUnavailable, RequestNotFound
+from engine.model_source import resolve_model
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput, SequenceInfo
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
@@ -109,12 +110,10 @@ class AsyncEngine:
                         max_num_batched_tokens: int = 512, max_queue: int = 1024, seq_ttl_s: float = 600.0,
                         threads: int | None = None, attention: str = "fast", dtype: torch.dtype | str = "auto",
                         model_name: str | None = None) -> "AsyncEngine":
-        """Load a local model folder (the bundled default model when `model_path` is None) on a new
-        loop thread; the engine is returned running (`start` is a no-op)."""
-        if model_path is None:
-            from engine.models import DEFAULT_MODEL_DIR
-
-            model_path = DEFAULT_MODEL_DIR
+        """Load a model folder, a .gguf file or a known model name (see engine.model_source; the bundled
+        default model when `model_path` is None) on a new loop thread; the engine is returned running."""
+        source = resolve_model(model_path, dtype)
+        model_path, model_name = source.path, model_name or source.name
         config = EngineConfig(max_num_seqs, max_num_batched_tokens, max_queue, seq_ttl_s)
 
         def build() -> Engine:

@@ -1,6 +1,6 @@
 """LLM: the offline batch API over the same Engine the server drives.
 
-    llm = LLM()                      # the bundled default model
+    llm = LLM()                      # the bundled default model (or a folder, a .gguf, a known name)
     outs = llm.generate(["ROMEO:"], SamplingParams(max_tokens=32, temperature=0))
     print(outs[0].outputs[0].text)
 """
@@ -12,6 +12,7 @@ import torch
 from tqdm.auto import tqdm
 
 from engine.engine import Engine, EngineConfig
+from engine.model_source import resolve_model
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
@@ -32,10 +33,7 @@ class LLM:
                  dtype: torch.dtype | str = "auto", n_cells: int | None = None, threads: int | None = None,
                  attention: str = "fast", max_num_seqs: int = 256, max_num_batched_tokens: int = 512):
         if runner is None:
-            if model is None:
-                from engine.models import DEFAULT_MODEL_DIR
-
-                model = DEFAULT_MODEL_DIR
+            model = resolve_model(model, dtype).path  # a folder, a .gguf file, a known name or None
             runner = ModelRunner.from_pretrained(model, dtype=dtype, n_cells=n_cells, threads=threads,
                                                  attention=attention, max_seqs=max(256, 2 * max_num_seqs))
         config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,

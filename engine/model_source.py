@@ -257,13 +257,16 @@ def _file_sha256_cached(path: Path, home: Path) -> str:
 
 
 def cached_models(home: Path | None = None) -> list[dict]:
-    """One row per converted folder in the cache (name, dtype, bytes, path, source), by name."""
+    """One row per converted folder in the cache (name, dtype, bytes, path, source), by name; a file
+    that is a known model's (same sha256) is listed under the known name."""
     rows = []
     for meta in sorted((home or cellserve_home()).glob("converted/*/cellserve.json")):
         try:
             info = json.loads(meta.read_text())
         except (OSError, ValueError):
             continue
+        known = [m.name for m in KNOWN_MODELS.values() if m.gguf_sha256 == info.get("sha256")]
+        info["name"] = known[0] if known else info.get("name", meta.parent.name)
         info["path"] = str(meta.parent)
         info["bytes"] = sum(f.stat().st_size for f in meta.parent.iterdir() if f.is_file())
         rows.append(info)

@@ -56,7 +56,8 @@ def _positive_int(text: str) -> int:
 
 def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p = parser
-    p.add_argument("--model", default=None, help="Hugging Face model folder (default: the bundled model)")
+    p.add_argument("--model", default=None, help="Hugging Face model folder, .gguf file or known model name "
+                   "(see `cellserve models`; default: the bundled model, nothing fetched)")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     pool = p.add_mutually_exclusive_group()
@@ -89,12 +90,12 @@ def engine_factory(args: argparse.Namespace) -> Callable[[], object]:
 
     def build():
         from engine.async_engine import AsyncEngine  # torch-heavy; only when serving
-        from engine.models import DEFAULT_MODEL_DIR
+        from engine.model_source import resolve_model
 
-        path = args.model or str(DEFAULT_MODEL_DIR)
-        log.info("loading model from %s", path)
+        source = resolve_model(args.model, args.dtype)  # a .gguf is converted once, a known name pulled once
+        log.info("loading model %s from %s%s", source.name, source.path, "" if args.model else " (the bundled model)")
         engine = AsyncEngine.from_pretrained(
-            path, n_cells=args.n_cells, kv_memory_bytes=args.kv_memory, max_num_seqs=args.max_num_seqs,
+            source.path, model_name=source.name, n_cells=args.n_cells, kv_memory_bytes=args.kv_memory, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue,
             seq_ttl_s=args.seq_ttl, threads=args.threads, dtype=args.dtype, attention=args.attention)
         pool = engine.n_cells * engine.cell_bytes
@@ -159,6 +160,35 @@ def _exit_now() -> None:
     os._exit(1)
 
 
+def pull_command(name: str, dtype: str) -> int:
+    """`cellserve pull NAME`: the folder on stdout; on failure one line on stderr and status 1."""
+    from engine.model_source import ModelSourceError, resolve_model
+
+    try:
+        source = resolve_model(name, dtype)
+    except ModelSourceError as exc:
+        print(f"cellserve pull: {exc}", file=sys.stderr)
+        return 1
+    print(f"{source.name}: {source.path}\nserve it with: cellserve serve --model {name}")
+    return 0
+
+
+def models_command() -> int:
+    """`cellserve models`: every converted folder in the cache, then the known names not pulled yet."""
+    from engine.model_source import KNOWN_MODELS, cached_models, cellserve_home
+
+    rows = cached_models()
+    print(f"cache: {cellserve_home()}")
+    print(f"{'NAME':<28} {'DTYPE':<9} {'SIZE':>10}  PATH")
+    for r in rows:
+        print(f"{r.get('name', '?'):<28} {r.get('dtype', '?'):<9} {human_bytes(r['bytes']):>10}  {r['path']}")
+    pulled = {r.get("name") for r in rows}
+    for spec in KNOWN_MODELS.values():
+        if spec.name not in pulled:
+            print(f"{spec.name:<28} {'-':<9} {'-':>10}  not pulled: cellserve pull {spec.name}  ({spec.about})")
+    return 0
+
+
 def _bench(argv: list[str]) -> int:
     if not argv or argv[0] not in ("serve", "engine", "compare", "overhead"):
         print("usage: cellserve bench {serve,engine,compare,overhead} ...  (serve: load-test an HTTP server; "
@@ -186,7 +216,14 @@ def main(argv: list[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     serve_parser(sub.add_parser("serve", help="run the OpenAI-compatible HTTP server"))
     sub.add_parser("bench", help="benchmarks: `cellserve bench serve|engine|compare|overhead ...`")
+    pull = sub.add_parser("pull", help="fetch a known model (or convert a .gguf) into the cache; print its folder")
+    pull.add_argument("name", help="a known model name (see `cellserve models`) or a .gguf file")
+    pull.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+                      help="dequantize to this dtype (auto: float32)")
+    sub.add_parser("models", help="list known and cached models")
     args = parser.parse_args(argv)
+    if args.command in ("pull", "models"):
+        return pull_command(args.name, args.dtype) if args.command == "pull" else models_command()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return run_server(args)
 

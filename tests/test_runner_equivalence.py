@@ -1,6 +1,7 @@
 """Cell-pool forwards equal a cacheless forward of each sequence's whole history (fp32, atol 1e-4),
-for every supported architecture, both mask kinds (sdpa bool, eager additive) and both attention
-paths (reference dense window, fast compacted window)."""
+for every supported architecture, both mask kinds (sdpa bool, eager additive) and every path
+(reference dense window; fast compacted window through the transformers modules; fast through the
+native Llama-family forward, `engine/native.py`)."""
 
 import pytest
 import torch
@@ -9,15 +10,17 @@ from tiny_models import BUILDERS, full_logits, tiny_model
 from engine.runner import ModelRunner
 
 ATOL = 1e-4
-COMBOS = [(name, attn, path) for name in BUILDERS for attn in ("sdpa", "eager") for path in ("fast", "reference")]
+PATHS = [("fast", None), ("fast", False), ("reference", None)]  # (attention, native): None = native if supported
+COMBOS = [(name, attn, path, native) for name in BUILDERS for attn in ("sdpa", "eager") for path, native in PATHS
+          if not (name == "gpt2" and native is False)]  # gpt2 has no native forward: fast/None is fast/False
 
 
 class Harness:
     """Drives a runner and keeps each sequence's token history, the oracle's input."""
 
-    def __init__(self, name, attn, path, n_cells=128):
+    def __init__(self, name, attn, path, n_cells=128, native=None):
         self.model = tiny_model(name, attn)
-        self.runner = ModelRunner(self.model, n_cells=n_cells, attention=path)
+        self.runner = ModelRunner(self.model, n_cells=n_cells, attention=path, native=native)
         self.cache = self.runner.cache
         self.hist: dict[int, list[int]] = {}
 
@@ -50,9 +53,10 @@ def _prompt(n, seed):
     return torch.randint(3, 100, (n,), generator=g).tolist()
 
 
-@pytest.mark.parametrize("name,attn,path", COMBOS)
-def test_prefill_decode_batch_fork_rm_reuse(name, attn, path):
-    h = Harness(name, attn, path)
+@pytest.mark.parametrize("name,attn,path,native", COMBOS)
+def test_prefill_decode_batch_fork_rm_reuse(name, attn, path, native):
+    h = Harness(name, attn, path, native=native)
+    assert (h.runner.native is not None) == (path == "fast" and native is None and name != "gpt2")
     # 1. one sequence: prefill then 6 decode steps
     h.step({0: _prompt(9, 1)})
     for _ in range(6):
@@ -119,10 +123,10 @@ def test_truncate_and_range_removal_stay_exact(name):
     assert seen == [0, 1, 4, 5, 6, 7, 8, 9]
 
 
-@pytest.mark.parametrize("path", ["fast", "reference"])
-def test_both_paths_agree_with_idle_cells(path):
+@pytest.mark.parametrize("path,native", PATHS)
+def test_both_paths_agree_with_idle_cells(path, native):
     """Many idle cells below the active sequences: the fast path must skip them and still agree."""
-    h = Harness("llama_gqa", "sdpa", path, n_cells=256)
+    h = Harness("llama_gqa", "sdpa", path, n_cells=256, native=native)
     h.step({9: _prompt(100, 11)})  # an idle sequence holding 100 low cells
     h.step({0: _prompt(5, 12), 1: _prompt(6, 13)})
     for _ in range(3):
@@ -135,10 +139,11 @@ def test_both_paths_agree_with_idle_cells(path):
         assert plan.read_idx is None
 
 
-@pytest.mark.parametrize("name", list(BUILDERS))
-def test_greedy_32_tokens_equals_generate(name):
+@pytest.mark.parametrize("name,native", [(name, native) for name in BUILDERS for native in (None, False)
+                                         if not (name == "gpt2" and native is False)])
+def test_greedy_32_tokens_equals_generate(name, native):
     model = tiny_model(name)
-    runner = ModelRunner(model, n_cells=128)
+    runner = ModelRunner(model, n_cells=128, native=native)
     prompt = _prompt(8, 21)
     ids, pos = list(prompt), 0
     chunk = prompt
@@ -153,32 +158,39 @@ def test_greedy_32_tokens_equals_generate(name):
     assert ids == ref[0].tolist()
 
 
-def test_failed_forward_releases_its_cells():
-    model = tiny_model("llama_gqa")
-    runner = ModelRunner(model, n_cells=64)
-    runner.run({0: (_prompt(5, 1), 0)})
-    free, read_len = runner.cache.free_cells(), runner.cache.read_len
-    layer = model.model.layers[1]
-    orig = layer.forward
-
-    def boom(*a, **k):
+class _Boom:
+    def __getattr__(self, name):
         raise RuntimeError("injected")
 
-    layer.forward = boom
-    with pytest.raises(RuntimeError, match="injected"):
-        runner.run({0: ([1, 2], 5), 1: (_prompt(9, 2), 0)})
-    layer.forward = orig
+
+@pytest.mark.parametrize("native", [False, True])
+def test_failed_forward_releases_its_cells(native):
+    model = tiny_model("llama_gqa")
+    runner = ModelRunner(model, n_cells=64, native=native)
+    runner.run({0: (_prompt(5, 1), 0)})
+    free, read_len = runner.cache.free_cells(), runner.cache.read_len
+    with pytest.MonkeyPatch.context() as mp:  # layer 1 fails mid-forward, after layer 0 wrote its K/V
+        if native:
+            mp.setattr(runner.native.layers[1], "gate", _Boom())
+        else:
+            mp.setattr(model.model.layers[1], "forward", _raise)
+        with pytest.raises(RuntimeError, match="injected"):
+            runner.run({0: ([1, 2], 5), 1: (_prompt(9, 2), 0)})
     assert runner.cache.free_cells() == free and runner.cache.read_len == read_len
     assert runner.cache.plan is None
     out = runner.run({0: ([7], 5)})[0]  # still exact after the failure
     torch.testing.assert_close(out, full_logits(model, _prompt(5, 1) + [7])[-1], atol=ATOL, rtol=0)
 
 
+def _raise(*args, **kwargs):
+    raise RuntimeError("injected")
+
+
 @pytest.mark.parametrize("name", ["llama_gqa", "qwen2_sliding", "gpt2"])
 def test_row_gather_kernel_is_used_for_many_decodes_and_exact(name):
     from engine import attention
 
-    h = Harness(name, "sdpa", "fast", n_cells=256)
+    h = Harness(name, "sdpa", "fast", n_cells=256, native=False)
     assert h.model.config._attn_implementation == attention.GATHER
     for s in range(8):
         h.step({s: _prompt(6 + s, 30 + s)})

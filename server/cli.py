@@ -169,7 +169,8 @@ def pull_command(name: str, dtype: str) -> int:
     except ModelSourceError as exc:
         print(f"cellserve pull: {exc}", file=sys.stderr)
         return 1
-    print(f"{source.name}: {source.path}\nserve it with: cellserve serve --model {name}")
+    dtype_flag = "" if dtype == "auto" else f" --dtype {dtype}"
+    print(f"{source.name}: {source.path}\nserve it with: cellserve serve --model {name}{dtype_flag}")
     return 0
 
 

@@ -73,6 +73,7 @@ class AsyncEngine:
         self.max_model_len = engine.runner.max_model_len
         self.n_cells = engine.cache.n_cells
         self.cell_bytes = engine.runner.cell_bytes
+        self.prefix_caching = engine.config.prefix_caching
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -109,12 +110,12 @@ class AsyncEngine:
                         kv_memory_bytes: int | None = None, max_num_seqs: int = 256,
                         max_num_batched_tokens: int = 512, max_queue: int = 1024, seq_ttl_s: float = 600.0,
                         threads: int | None = None, attention: str = "fast", dtype: torch.dtype | str = "auto",
-                        model_name: str | None = None) -> "AsyncEngine":
+                        model_name: str | None = None, prefix_caching: bool = True) -> "AsyncEngine":
         """Load a model folder, a .gguf file or a known model name (see engine.model_source; the bundled
         default model when `model_path` is None) on a new loop thread; the engine is returned running."""
         source = resolve_model(model_path, dtype)
         model_path, model_name = source.path, model_name or source.name
-        config = EngineConfig(max_num_seqs, max_num_batched_tokens, max_queue, seq_ttl_s)
+        config = EngineConfig(max_num_seqs, max_num_batched_tokens, max_queue, seq_ttl_s, prefix_caching)
 
         def build() -> Engine:
             runner = ModelRunner.from_pretrained(model_path, dtype=dtype, n_cells=n_cells,
@@ -221,6 +222,10 @@ class AsyncEngine:
     async def list_sequences(self) -> list[SequenceInfo]:
         return await self._call(lambda: [self.engine.sequence_info(s) for s in list(self.engine.sequences)],
                                 check_accepting=False)
+
+    async def cached_prefix_cells(self) -> int:
+        """Cells held only by cached prefixes (evictable on demand), counted on the loop thread."""
+        return await self._call(self.engine.cached_prefix_cells, check_accepting=False)
 
     def check_fits(self, prompt_lens: list[int], max_tokens: int, n: int = 1) -> None:
         """`Engine.check_fits` (PromptTooLong for what can never run); reads constants only, so it is

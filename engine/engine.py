@@ -12,6 +12,8 @@ import time
 import uuid
 from dataclasses import dataclass
 
+import torch
+
 from engine.detok import IncrementalDetokenizer
 from engine.errors import InvalidRequest, PromptTooLong, QueueFull, SequenceBusy, SequenceNotFound
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput, SequenceInfo, TokenLogprob
@@ -30,6 +32,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 512
     max_queue: int = 1024
     seq_ttl_s: float = 600.0
+    prefix_caching: bool = True  # share cached prefixes automatically (finished requests keep their cells)
 
 
 def _new_id(prefix: str) -> str:
@@ -50,13 +53,15 @@ class Engine:
         self.config = config or EngineConfig()
         self.cache = runner.cache
         self.tokenizer = runner.tokenizer
-        self.scheduler = Scheduler(self.cache, self.config.max_num_seqs, self.config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.cache, self.config.max_num_seqs, self.config.max_num_batched_tokens,
+                                   prefix_caching=self.config.prefix_caching)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self.sequences: dict[str, Sequence] = {}  # persistent sequences by id
         self.eos_ids = _eos_ids(runner)
         self.vocab_size = runner.config.get_text_config().vocab_size
         self.steps = self.generated_tokens = self.prompt_tokens = 0
+        self._grammars = None  # engine.grammar.GrammarCompiler, made on the first structured-output request
 
     # ----- requests --------------------------------------------------------------------------
     def add_request(self, request_id, prompt_ids, params: SamplingParams, emit=None, seq_id=None, *,
@@ -81,11 +86,13 @@ class Engine:
             raise InvalidRequest("the prompt is empty: give at least one token", "prompt")
         self._check_tokens(prompt_ids)
         params.check_vocab(self.vocab_size)
+        grammar = self._compile_grammar(params) if params.guided is not None and params.max_tokens else None
         self.check_fits([history + len(prompt_ids)], params.max_tokens, params.n)
         self._check_queue()
         # max_tokens 0 asks for no token (SamplingParams' contract): the prompt is cached, nothing sampled.
         req = Request(request_id, list(prompt_ids), params, emit or (lambda out: None),
                       prefill_only=params.max_tokens == 0, detokenize=detokenize)
+        req.grammar = grammar
         if seq is None:
             seq = Sequence(_new_id("gen"), list(prompt_ids))
         else:
@@ -128,8 +135,7 @@ class Engine:
         child = Sequence(_new_id("seq"), parent.token_ids[:at], persistent=True, parent=seq_id)
         share = min(parent.n_cached, at - 1)
         if parent.slot is not None and share > 0 and self.scheduler.acquire_slot(child, keep=parent):
-            self.cache.seq_cp(parent.slot, child.slot, upto=share)
-            child.n_cached = share
+            self.scheduler.share(parent, child, share)
         self.sequences[child.seq_id] = child
         return child
 
@@ -139,10 +145,9 @@ class Engine:
             raise SequenceBusy(f"sequence {seq_id} is generating; cancel it before truncating")
         if not 1 <= length <= len(seq.token_ids):
             raise InvalidRequest(f"length={length} is outside [1, {len(seq.token_ids)}]", "length")
-        del seq.token_ids[length:]
         if seq.n_cached > length - 1:
-            self.cache.seq_rm(seq.slot, length - 1)
-            seq.n_cached = length - 1
+            self.scheduler.uncache(seq, length - 1)
+        del seq.token_ids[length:]
         seq.last_used = time.monotonic()
         return seq
 
@@ -181,7 +186,7 @@ class Engine:
             return outputs
         self.steps += 1
         for c in chunks:
-            c.seq.n_cached += c.n_tokens
+            self.scheduler.set_cached(c.seq, c.seq.n_cached + c.n_tokens)
             c.seq.last_used = time.monotonic()
         if sample_chunks:
             try:
@@ -199,6 +204,7 @@ class Engine:
         seq.params = req.params.for_child(index) if index else req.params
         seq.generator = None if seq.params.greedy else make_generator(seq.params)
         seq.detok = None
+        seq.grammar = self._grammars.state(req.grammar) if req.grammar is not None else None
         if self.tokenizer is not None and not req.prefill_only and req.detokenize:
             seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, stop=req.params.stop)
         req.seqs.append(seq)
@@ -217,7 +223,8 @@ class Engine:
             logits = logits[rows]
         result = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
                               [s.output_ids if p else [] for s, p in zip(seqs, pen)],
-                              [s.token_ids[: s.gen_start] if p else [] for s, p in zip(seqs, pen)])
+                              [s.token_ids[: s.gen_start] if p else [] for s, p in zip(seqs, pen)],
+                              [s.grammar for s in seqs])
         news: dict[Request, dict[int, CompletionOutput]] = {}
         for k, seq in enumerate(seqs):
             req = seq.request  # _append may finish the sequence and clear it
@@ -246,8 +253,7 @@ class Engine:
             child = Sequence(_new_id("gen"), list(parent.token_ids))
             self._start(req, child, i)
             if self.scheduler.acquire_slot(child):
-                self.cache.seq_cp(parent.slot, child.slot)
-                child.n_cached = parent.n_cached
+                self.scheduler.share(parent, child, parent.n_cached)
                 self.scheduler.remove(child)
                 self.scheduler.add_running(child)
             children.append(child)
@@ -261,6 +267,10 @@ class Engine:
             req.timing.first_token = time.monotonic()
         out = CompletionOutput(seq.index, [token], logprobs=[lp] if lp else None)
         stop = check_stop_token(seq.params, token, seq.num_generated, self.eos_ids)
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
+            if seq.grammar.terminated:  # the grammar was complete and took EOS: the choice is done
+                stop = ("stop", None)
         if seq.detok is not None:
             if stop is None or stop[0] != "stop":  # EOS and stop-token ids carry no text
                 out.text = seq.detok.push(token)
@@ -287,23 +297,24 @@ class Engine:
             self.requests.pop(req.request_id, None)
         seq_id = req.persistent_seq.seq_id if req.persistent_seq else None
         out = RequestOutput(req.request_id, sorted(choices.values(), key=lambda c: c.index), req.prompt_ids,
-                            finished, seq_id, req.timing, req.num_generated)
+                            finished, seq_id, req.timing, req.num_generated, req.cached_tokens or 0)
         req.emit(out)
         return out
 
     def _finish_seq(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         seq.finish_reason, seq.error = reason, error
-        seq.request = None
+        seq.request = seq.grammar = None
         self.scheduler.remove(seq)
         if seq.persistent:
             seq.status = SeqStatus.IDLE
             seq.last_used = time.monotonic()
             if seq.n_cached > len(seq.token_ids) - 1:  # keep the last token uncached (see Sequence)
-                self.cache.seq_rm(seq.slot, len(seq.token_ids) - 1)
-                seq.n_cached = len(seq.token_ids) - 1
-        else:
+                self.scheduler.uncache(seq, len(seq.token_ids) - 1)
+        elif reason == "error":  # cells of a failed step are not trusted as a cached prefix
             self.scheduler.release(seq)
             seq.status = SeqStatus.FINISHED
+        else:
+            self.scheduler.retire(seq)
 
     def _finish_idle_prefills(self, outputs) -> None:
         """Prefill-only requests (sequence create, max_tokens 0) end once their cache target is reached,
@@ -324,6 +335,17 @@ class Engine:
         for seq in req.live():
             self._finish_seq(seq, "error", f"{type(exc).__name__}: {exc}")
         outputs.append(self._emit(req, {}))
+
+    def _compile_grammar(self, params: SamplingParams):
+        """The compiled grammar of a structured-output request, or InvalidRequest naming its field."""
+        if self.tokenizer is None:
+            raise InvalidRequest("structured output needs the model's tokenizer, which this engine has not "
+                                 "loaded", params.guided.param)
+        if self._grammars is None:
+            from engine.grammar import GrammarCompiler  # xgrammar loads only when structured output is used
+
+            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_ids)
+        return self._grammars.compile(params.guided)
 
     def _persistent(self, seq_id: str) -> Sequence:
         seq = self.sequences.get(seq_id)
@@ -371,9 +393,34 @@ class Engine:
         sched = self.scheduler
         idle = sum(1 for s in self.sequences.values() if s.request is None)
         used = self.cache.used_cells()
+        prefix = sched.prefix.stats
         return EngineStats(self.cache.n_cells, used, self.cache.n_cells - used, self.cache.read_len,
                            len(sched.running), len(sched.waiting), idle, sched.preemptions,
-                           self.generated_tokens, self.prompt_tokens, self.steps)
+                           self.generated_tokens, self.prompt_tokens, self.steps,
+                           len(sched.holders) - len(sched.running) - idle, prefix.queried_tokens, prefix.hit_tokens)
+
+    def cached_prefix_cells(self) -> int:
+        """Cells owned only by cached prefixes: evicted on demand, so free in all but name (one
+        reduction over the owner table: for reports, not for every tick)."""
+        cached = [s.slot for s in self.scheduler.cached_prefixes()]
+        if not cached:
+            return 0
+        r = self.cache.read_len
+        live = [slot for slot in self.scheduler.holders if slot not in set(cached)]
+        by_cached = self.cache.owner[cached, :r].any(0)
+        by_live = self.cache.owner[live, :r].any(0) if live else torch.zeros_like(by_cached)
+        return int((by_cached & ~by_live).sum())
+
+    def free_cells(self) -> int:
+        """Cells a new request can get: free ones plus those only cached prefixes hold."""
+        return self.cache.free_cells() + self.cached_prefix_cells()
+
+    def clear_prefix_cache(self) -> int:
+        """Drop every cached prefix (not live sequences); return the cells that became free."""
+        before = self.cache.free_cells()
+        for seq in self.scheduler.cached_prefixes():
+            self.scheduler.release(seq)
+        return self.cache.free_cells() - before
 
 
 def _flatten(chunks: list[Chunk], sample_chunks: list[Chunk]) -> FlatStep:

@@ -46,6 +46,7 @@ class RequestOutput:
     seq_id: str | None = None  # the persistent sequence this request ran on, if any
     timing: Timing = field(default_factory=Timing)
     num_generated: int = 0  # total generated tokens so far over all choices (for usage)
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
 
 
 @dataclass
@@ -77,3 +78,6 @@ class EngineStats:
     generated_tokens: int
     prompt_tokens: int
     steps: int
+    prefix_cached: int = 0  # finished requests' sequences kept as cached prefixes
+    prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_hit_tokens: int = 0  # of those, tokens whose cells were shared instead of prefilled

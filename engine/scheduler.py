@@ -7,6 +7,12 @@ forward. When cells run short it first drops the cells of idle and waiting seque
 recently used first), then preempts the most recently admitted running sequence (its cells go,
 its tokens stay; it goes back to the front of the queue and re-prefills later). It never fails
 what is in flight to make room.
+
+The scheduler is the one owner of cell claims and `n_cached`: the engine asks it to share
+(`share`), cut (`uncache`), record a forward (`set_cached`), retire or release a sequence. With
+prefix caching on, a finished request's sequence is *retired*: it keeps its cells as a cached prefix
+(evicted first, least recently used first, possibly only its tail), and every sequence admitted with
+no cells first shares the longest prefix any holder has cached (see `engine.prefix_cache`).
 """
 
 import heapq
@@ -15,7 +21,10 @@ from collections import deque
 from dataclasses import dataclass
 
 from engine.cells import CellCache
+from engine.prefix_cache import BLOCK, PrefixIndex
 from engine.sequence import SeqStatus, Sequence
+
+PREFIX_MIN_TOKENS = BLOCK  # a cached prefix shorter than one index block can never be found: not kept
 
 
 @dataclass
@@ -42,8 +51,11 @@ class Scheduler:
     cells always hold a slot, and slots are handed out lowest first.
     """
 
-    def __init__(self, cache: CellCache, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(self, cache: CellCache, max_num_seqs: int, max_num_batched_tokens: int,
+                 prefix_caching: bool = True):
         self.cache = cache
+        self.prefix_caching = prefix_caching
+        self.prefix = PrefixIndex()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -90,15 +102,66 @@ class Scheduler:
         del self.holders[seq.slot]
         heapq.heappush(self._free_slots, seq.slot)
         seq.slot, seq.n_cached = None, 0
+        self.prefix.forget(seq)
 
-    def _evict_one(self, exclude: tuple[Sequence | None, ...] = ()) -> bool:
-        """Free the cells of the least recently used sequence that is not running nor excluded."""
+    def retire(self, seq: Sequence) -> None:
+        """A finished request's sequence: keep its cells as a cached prefix, or release them."""
+        seq.status = SeqStatus.FINISHED
+        if self.prefix_caching and seq.slot is not None and seq.n_cached >= PREFIX_MIN_TOKENS:
+            seq.last_used = time.monotonic()
+        else:
+            self.release(seq)
+
+    def set_cached(self, seq: Sequence, n: int) -> None:
+        """`seq` now holds cells for exactly positions [0, n) (after a forward, a share or a cut)."""
+        seq.n_cached = n
+        self.prefix.update(seq)
+
+    def share(self, src: Sequence, dst: Sequence, upto: int) -> None:
+        """`dst` (holding a slot and no cells) also owns `src`'s cells of positions [0, upto): no copy."""
+        self.cache.seq_cp(src.slot, dst.slot, upto=upto)
+        self.set_cached(dst, upto)
+
+    def uncache(self, seq: Sequence, n: int) -> int:
+        """Drop `seq`'s cells from position n on (its tokens stay); return the cells that became free."""
+        freed = self.cache.seq_rm(seq.slot, n)
+        self.set_cached(seq, n)
+        return freed
+
+    def cached_prefixes(self) -> list[Sequence]:
+        return [s for s in self.holders.values() if s.status is SeqStatus.FINISHED]
+
+    def _evict_one(self, exclude: tuple[Sequence | None, ...] = (), need: int | None = None) -> bool:
+        """Free cells (or, with `need` None, a slot): the least recently used cached prefix first, cut
+        by `need` tokens from its tail when that keeps some of it; else the least recently used
+        sequence that is neither running nor excluded."""
         victims = [s for s in self.holders.values()
                    if s.status is not SeqStatus.RUNNING and not any(s is e for e in exclude)]
         if not victims:
             return False
-        self.release(min(victims, key=lambda s: s.last_used))
+        cached = [s for s in victims if s.status is SeqStatus.FINISHED]
+        victim = min(cached or victims, key=lambda s: s.last_used)
+        keep = victim.n_cached - need if cached and need is not None else 0
+        if keep >= PREFIX_MIN_TOKENS and self.uncache(victim, keep):
+            return True
+        self.release(victim)
         return True
+
+    def share_cached_prefix(self, seq: Sequence) -> int:
+        """Admission of a sequence with no cells: share the longest prefix some holder has cached
+        (never its last token, whose logits are needed). Returns the tokens shared."""
+        if not self.prefix_caching or seq.n_cached:
+            return 0
+        tokens = seq.token_ids
+        limit = min(len(tokens) - 1, seq.cache_target())
+        self.prefix.stats.queried_tokens += len(tokens)
+        holder, m = self.prefix.longest(tokens, limit) if len(self.prefix) else (None, 0)
+        if holder is None or m < PREFIX_MIN_TOKENS or not self.acquire_slot(seq, keep=holder):
+            return 0
+        self.share(holder, seq, m)
+        holder.last_used = time.monotonic()
+        self.prefix.stats.hit_tokens += m
+        return m
 
     def preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
@@ -124,6 +187,7 @@ class Scheduler:
             seq = self.waiting[0]
             if seq in self._preempted_now:
                 break  # it just gave up its cells for this very step
+            self._note_cached(seq, self.share_cached_prefix(seq))
             n = min(seq.cache_target() - seq.n_cached, budget)
             if n > 0 and not self._room_for_waiting(seq, n):
                 break
@@ -138,9 +202,20 @@ class Scheduler:
         self._chunks[seq] = Chunk(seq, seq.n_cached, n)
         self._step_tokens += n
 
+    def _note_cached(self, seq: Sequence, shared: int) -> None:
+        """A request's `cached_tokens` (OpenAI's usage field): its prompt tokens found in the cache at
+        its first admission (later re-admissions after a preemption do not count again)."""
+        req = seq.request
+        if req is not None and seq.index == 0 and req.cached_tokens is None:
+            history = len(seq.token_ids) - len(req.prompt_ids)
+            req.cached_tokens = max(0, shared - history)
+
+    def _need(self, n: int) -> int:
+        return self._step_tokens + n - self.cache.free_cells()
+
     def _room_for_running(self, seq: Sequence, n: int) -> bool:
         while not self.cache.can_extend(self._step_tokens + n):
-            if self._evict_one():
+            if self._evict_one(need=self._need(n)):
                 continue
             victim = max(self.running, key=lambda s: s.admitted_at)
             if victim in self._chunks:
@@ -155,7 +230,7 @@ class Scheduler:
         if not self.acquire_slot(seq):
             return False
         while not self.cache.can_extend(self._step_tokens + n):
-            if not self._evict_one(exclude=(seq,)):
+            if not self._evict_one(exclude=(seq,), need=self._need(n)):
                 return False
         return True
 

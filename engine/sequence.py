@@ -42,6 +42,7 @@ class Sequence:
     finish_reason: str | None = None
     error: str | None = None
     detok: object | None = None
+    grammar: object | None = None  # engine.grammar.GrammarState while a structured-output request runs
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
     admitted_at: float = 0.0  # monotonic order of admission, for "preempt the newest"
@@ -91,6 +92,8 @@ class Request:
     timing: Timing = field(default_factory=lambda: Timing(queued=time.monotonic()))
     finished: bool = False
     reported: set[int] = field(default_factory=set)  # choice indices whose finish was emitted
+    cached_tokens: int | None = None  # prompt tokens whose cells came from the prefix cache (set at admission)
+    grammar: object | None = None  # compiled grammar of a structured-output request (one state per choice)
 
     @property
     def num_generated(self) -> int:

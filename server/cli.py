@@ -75,6 +75,8 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="model id reported by the API")
     p.add_argument("--seq-ttl", type=float, default=600.0, help="seconds before an idle sequence expires")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    p.add_argument("--no-prefix-cache", action="store_true",
+                   help="turn automatic prefix sharing off (finished requests free their cells at once)")
     p.add_argument("--max-body-bytes", type=parse_size, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body accepted (413 beyond, unread), e.g. 8MiB")
     p.add_argument("--max-prompts", type=_positive_int, default=DEFAULT_MAX_PROMPTS,
@@ -97,11 +99,13 @@ def engine_factory(args: argparse.Namespace) -> Callable[[], object]:
         engine = AsyncEngine.from_pretrained(
             source.path, model_name=source.name, n_cells=args.n_cells, kv_memory_bytes=args.kv_memory, max_num_seqs=args.max_num_seqs,
             max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue,
-            seq_ttl_s=args.seq_ttl, threads=args.threads, dtype=args.dtype, attention=args.attention)
+            seq_ttl_s=args.seq_ttl, threads=args.threads, dtype=args.dtype, attention=args.attention,
+            prefix_caching=not args.no_prefix_cache)
         pool = engine.n_cells * engine.cell_bytes
-        log.info("loaded %s (%s, context %d tokens); cell pool: %d cells x %d B = %s",
+        log.info("loaded %s (%s, context %d tokens); cell pool: %d cells x %d B = %s; prefix cache %s",
                  engine.model_name, engine.engine.runner.dtype, engine.max_model_len, engine.n_cells,
-                 engine.cell_bytes, human_bytes(pool))
+                 engine.cell_bytes, human_bytes(pool),
+                 "on" if engine.prefix_caching else "off (--no-prefix-cache)")
         return engine
 
     return build

@@ -50,6 +50,8 @@ class EngineCollector(Collector):
             "prompt_tokens": ("Prompt tokens prefilled.", s.prompt_tokens),
             "generation_tokens": ("Tokens generated.", s.generated_tokens),
             "engine_steps": ("Engine forward steps (ticks).", s.steps),
+            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", s.prefix_queried_tokens),
+            "prefix_cache_hits": ("Prompt tokens whose cells came from the prefix cache.", s.prefix_hit_tokens),
         }
         for name, (doc, value) in counters.items():
             yield CounterMetricFamily(f"cellserve:{name}", doc, value=value)

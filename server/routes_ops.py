@@ -46,10 +46,15 @@ async def models(request: Request) -> dict:
 @router.get("/v1/cache")
 async def cache(request: Request) -> dict:
     engine = ServerContext.of(request).require_engine()
+    cached = await engine.cached_prefix_cells()
     s = engine.stats()
+    used = s.cells_used - cached  # cached prefixes are evicted on demand: free for any new request
     return {
         "object": "cache",
-        "cells": {"total": s.n_cells, "used": s.cells_used, "free": s.cells_free},
+        "cells": {"total": s.n_cells, "used": used, "free": s.n_cells - used, "cached": cached},
+        "prefix_cache": {"enabled": engine.prefix_caching, "cached_sequences": s.prefix_cached,
+                         "cells": cached, "queried_tokens": s.prefix_queried_tokens,
+                         "hit_tokens": s.prefix_hit_tokens},
         "cell_bytes": engine.cell_bytes,
         "pool_bytes": engine.cell_bytes * s.n_cells,
         "read_len": s.read_len,

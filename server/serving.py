@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
-from engine.outputs import CompletionOutput
+from engine.outputs import CompletionOutput, RequestOutput
 from server import responses as R
 from server.context import ServerContext
 from server.errors import APIError, as_api_error, error_body
@@ -37,6 +37,7 @@ class Formatter:
         self.include_usage = include_usage
         self.created = R.now()
         self.extra = extra or {}
+        self.cached: dict[int, int] = {}  # prompt index -> its cached prompt tokens
         self.states = {
             (k, i): R.ChoiceState(index=k * n + i, prompt_index=k, prefix=(prefixes or [""] * len(run.prompts))[k])
             for k in range(len(run.prompts)) for i in range(n)
@@ -53,7 +54,12 @@ class Formatter:
         return st
 
     def usage(self) -> dict:
-        return R.usage(self.run.prompt_tokens(), sum(len(s.token_ids) for s in self.states.values()))
+        return R.usage(self.run.prompt_tokens(), sum(len(s.token_ids) for s in self.states.values()),
+                       sum(self.cached.values()))
+
+    def note(self, k: int, out: RequestOutput) -> None:
+        """Per-request facts carried by every output (prompt tokens served from the prefix cache)."""
+        self.cached[k] = out.cached_tokens
 
     def ordered(self) -> list[R.ChoiceState]:
         return sorted(self.states.values(), key=lambda s: s.index)
@@ -127,6 +133,7 @@ async def serve(request: Request, ctx: ServerContext, run: GenerationRun, fmt: F
 
 async def _collect(run: GenerationRun, fmt: Formatter) -> None:
     async for k, out in run.events():
+        fmt.note(k, out)
         for co in out.outputs:
             fmt.apply(k, co)
 
@@ -137,6 +144,7 @@ async def _stream(ctx: ServerContext, run: GenerationRun, fmt: Formatter) -> Asy
             yield c
         started: set[tuple[int, int]] = set()
         async for k, out in run.events():
+            fmt.note(k, out)
             for co in out.outputs:
                 first = (k, co.index) not in started
                 started.add((k, co.index))

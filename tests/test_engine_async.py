@@ -49,7 +49,7 @@ def test_concurrent_submits_equal_solo_runs(model):
     for p, (tokens, finish, n) in zip(prompts, results):
         assert finish == "length" and tokens == greedy_oracle(model, p, 8)
         assert n >= 2, "outputs stream as deltas"
-    assert aeng.engine.cache.free_cells() == 256
+    assert aeng.engine.free_cells() == 256
     assert aeng.stats().generated_tokens == 48
 
 
@@ -90,7 +90,7 @@ def test_cancel_nowait_ends_the_stream_and_frees_cells(model):
     tokens, finish = _run(main())
     assert finish == "cancelled" and 1 <= len(tokens) < 200
     assert tokens == greedy_oracle(model, prompt(10, 2), len(tokens))
-    assert aeng.engine.cache.free_cells() == 256
+    assert aeng.engine.free_cells() == 256
 
 
 def test_persistent_sequence_verbs(model):
@@ -117,7 +117,7 @@ def test_persistent_sequence_verbs(model):
     assert short.token_ids == p[:7] and listed == {seq_id, child.seq_id}
     engine = aeng.engine
     engine.delete(seq_id)
-    assert engine.cache.free_cells() == 128 and not engine.has_unfinished()
+    assert engine.free_cells() == 128 and not engine.has_unfinished()
 
 
 def test_shutdown_lets_short_work_finish_within_grace(model):
@@ -148,7 +148,7 @@ def test_shutdown_cancels_what_is_left_and_refuses_new_work(model):
 
     assert _run(main()) == "cancelled"
     assert not aeng.accepting and not aeng._thread.is_alive()
-    assert aeng.engine.cache.free_cells() == 256 and not aeng.engine.has_unfinished()
+    assert aeng.engine.free_cells() == 256 and not aeng.engine.has_unfinished()
 
 
 def test_launch_builds_the_engine_on_the_thread_that_runs_it(model):

@@ -110,7 +110,7 @@ def test_commands_that_ran_before_their_caller_left_are_undone(model):
 
     seq_id, listed = _run(main())
     assert listed == [seq_id] and "left" not in engine.requests
-    assert engine.cache.free_cells() == 256 and aeng.failure is None
+    assert engine.free_cells() == 256 and aeng.failure is None
 
 
 class _Fatal(BaseException):

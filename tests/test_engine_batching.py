@@ -43,7 +43,7 @@ def test_batched_greedy_equals_solo_and_generate(model_name):
         solo = solo_llm.generate([p], params, use_tqdm=False)[0].outputs[0].token_ids
         assert out.outputs[0].token_ids == solo
         assert solo == generate_oracle(model, p, MAX_TOKENS)
-    assert solo_llm.engine.cache.free_cells() == 512
+    assert solo_llm.engine.free_cells() == 512
 
 
 def test_preemption_resumes_with_identical_output():
@@ -56,7 +56,7 @@ def test_preemption_resumes_with_identical_output():
     assert llm.engine.stats().preemptions > 0
     assert [o.outputs[0].finish_reason for o in outs] == ["length"] * len(PROMPTS)
     assert _tokens(outs) == expected
-    assert llm.engine.cache.free_cells() == 64
+    assert llm.engine.free_cells() == 64
 
 
 def test_preempted_seeded_sampling_is_unchanged():
@@ -80,14 +80,14 @@ def test_n4_shares_prompt_cells_and_each_choice_is_its_own_seed():
     req = engine.add_request("r", p, params, got)
     engine.step()  # prefill once, sample the first token of all four choices
     assert len(req.seqs) == 4
-    assert engine.cache.free_cells() == n_cells - len(p)  # the prompt is held once
+    assert engine.free_cells() == n_cells - len(p)  # the prompt is held once
     for seq in req.seqs:
         assert engine.cache.shared_cells(seq.slot) == len(p)
     engine.step()  # each choice decodes its first token into its own cell
-    assert engine.cache.free_cells() == n_cells - len(p) - 4
+    assert engine.free_cells() == n_cells - len(p) - 4
     check_cells_match_sequences(engine)
     drain(engine)
-    assert engine.cache.free_cells() == n_cells
+    assert engine.free_cells() == n_cells
     choices = [got.tokens[i] for i in range(4)]
     assert len({tuple(c) for c in choices}) == 4, "four seeded choices should differ"
     assert all(got.finish[i] == "length" and len(choices[i]) == 8 for i in range(4))
@@ -134,14 +134,14 @@ def test_cancel_mid_generation_frees_cells_and_spares_the_others():
         engine.step()
     assert engine.cancel("a")
     assert a.finished and a.finish[0] == "cancelled"
-    assert engine.cache.free_cells() == n_cells - (len(pb) + 3)  # b holds prompt + 3 decoded tokens
+    assert engine.free_cells() == n_cells - (len(pb) + 3)  # b holds prompt + 3 decoded tokens
     assert a.tokens[0] == greedy_oracle(model, pa, 4)  # what a produced before the cancel stands
     n_deltas = len(a.deltas)
     assert not engine.cancel("a") and not engine.cancel("nope")  # twice, unknown: harmless
     assert len(a.deltas) == n_deltas
     drain(engine)
     assert b.finish[0] == "length" and b.tokens[0] == greedy_oracle(model, pb, 12)
-    assert engine.cache.free_cells() == n_cells
+    assert engine.free_cells() == n_cells
 
 
 def test_cancel_before_first_step_and_cancel_of_n4():
@@ -154,4 +154,4 @@ def test_cancel_before_first_step_and_cancel_of_n4():
     engine.step()  # m prefilled once and forked into four
     assert engine.cancel("m")
     assert many.finished and set(many.finish.values()) == {"cancelled"}
-    assert not engine.has_unfinished() and engine.cache.free_cells() == 64
+    assert not engine.has_unfinished() and engine.free_cells() == 64

@@ -52,7 +52,7 @@ def test_failed_forward_fails_only_its_step(monkeypatch, model):
     for got in (a, b):
         assert got.finished and got.finish == {0: "error"} and "injected failure" in got.errors[0]
         assert len(got.tokens[0]) == 2  # what came before the failure stands
-    assert engine.cache.free_cells() == n_cells  # the step's claimed cells and a's and b's are released
+    assert engine.free_cells() == n_cells  # the step's claimed cells and a's and b's are released
     assert not c.deltas
     drain(engine)
     assert c.finish[0] == "length" and c.tokens[0] == greedy_oracle(model, pc, 6)
@@ -60,7 +60,7 @@ def test_failed_forward_fails_only_its_step(monkeypatch, model):
     engine.add_request("d", pa, greedy(8), d)  # a's prompt again, now served in full
     drain(engine)
     assert d.tokens[0] == greedy_oracle(model, pa, 8)
-    assert engine.cache.free_cells() == n_cells
+    assert engine.free_cells() == n_cells
 
 
 def test_failed_forward_leaves_a_persistent_sequence_usable(monkeypatch, model):
@@ -91,7 +91,7 @@ def test_failed_prefill_of_n4_fails_every_choice(monkeypatch, model):
     _fail_next_forward(monkeypatch, model)
     engine.step()
     assert got.finished and got.finish == {i: "error" for i in range(4)}
-    assert engine.cache.free_cells() == 64 and not engine.has_unfinished()
+    assert engine.free_cells() == 64 and not engine.has_unfinished()
 
 
 def test_cancel_of_n4_before_its_prefill_ends_every_choice(model):
@@ -100,7 +100,7 @@ def test_cancel_of_n4_before_its_prefill_ends_every_choice(model):
     engine.add_request("m", prompt(10, 6), SamplingParams(n=4, max_tokens=5, seed=3), got)
     assert engine.cancel("m")
     assert got.finished and got.finish == {i: "cancelled" for i in range(4)}
-    assert engine.cache.free_cells() == 64 and not engine.has_unfinished()
+    assert engine.free_cells() == 64 and not engine.has_unfinished()
 
 
 def test_a_failure_taking_one_requests_token_fails_that_request_alone(monkeypatch, model):
@@ -122,4 +122,4 @@ def test_a_failure_taking_one_requests_token_fails_that_request_alone(monkeypatc
     drain(engine)
     assert bad.finished and bad.finish == {0: "error", 1: "error"} and "output processing failed" in bad.errors[0]
     assert good.finish[0] == "length" and good.tokens[0] == greedy_oracle(model, pg, 6)
-    assert engine.cache.free_cells() == 128 and not engine.has_unfinished()
+    assert engine.free_cells() == 128 and not engine.has_unfinished()

@@ -66,7 +66,7 @@ def test_create_continue_truncate_delete(model):
     assert after.tokens[0] == greedy_oracle(model, p[:8], 6)
 
     engine.delete(seq.seq_id)
-    assert engine.cache.free_cells() == 128
+    assert engine.free_cells() == 128
     with pytest.raises(SequenceNotFound):
         engine.sequence_info(seq.seq_id)
 
@@ -80,10 +80,10 @@ def test_fork_a_running_sequence_after_k_tokens(model):
     for _ in range(3):
         engine.step()
     assert len(gen.tokens[0]) == 3
-    free = engine.cache.free_cells()
+    free = engine.free_cells()
     child = engine.fork(parent).seq_id  # snapshot at the tick boundary
     early = engine.fork(parent, at=9).seq_id
-    assert engine.cache.free_cells() == free, "a fork copies no K/V"
+    assert engine.free_cells() == free, "a fork copies no K/V"
     info = engine.sequence_info(child)
     assert info.token_ids == p + gen.tokens[0] and info.parent == parent
     assert info.cells_shared == info.n_cached == len(info.token_ids) - 1
@@ -100,7 +100,7 @@ def test_fork_a_running_sequence_after_k_tokens(model):
     assert engine.sequence_info(parent).token_ids == p + gen.tokens[0]  # the children changed nothing
     for s in (parent, child, early):
         engine.delete(s)
-    assert engine.cache.free_cells() == n_cells
+    assert engine.free_cells() == n_cells
 
 
 def test_fork_when_slots_run_out_keeps_the_parents_cells(model):
@@ -133,7 +133,7 @@ def test_idle_ttl_expires_only_idle_sequences(model):
     assert set(engine.sequences) == {busy}
     drain(engine)
     assert engine.expire_idle(now=time.monotonic() + 11) == [busy]
-    assert engine.cache.free_cells() == 64
+    assert engine.free_cells() == 64
 
 
 def test_idle_cells_are_evicted_under_pressure_then_reprefilled_exactly(model):
@@ -242,4 +242,4 @@ def test_max_tokens_zero_caches_the_prompt_and_samples_nothing(model):
     drain(engine)
     assert got.tokens[0] == greedy_oracle(model, history, 4)
     engine.delete(s)
-    assert engine.cache.free_cells() == 64
+    assert engine.free_cells() == 64

@@ -175,7 +175,7 @@ class EngineMachine(RuleBasedStateMachine):
                 assert out == oracle(run.history, len(out)), (rid, i)
         for seq_id in list(self.seqs):
             self.engine.delete(seq_id)
-        assert self.engine.cache.free_cells() == N_CELLS
+        assert self.engine.free_cells() == N_CELLS
         assert not self.engine.scheduler.holders
 
 

@@ -36,7 +36,7 @@ def _run(tok, succ, prompt_ids, params, extra_succ=None) -> Collector:
     got = Collector()
     engine.add_request("r", prompt_ids, params, got)
     drain(engine)
-    assert got.finished and engine.cache.free_cells() == 128
+    assert got.finished and engine.free_cells() == 128
     return got
 
 

@@ -145,7 +145,8 @@ def test_logprob_shapes():
 
 
 def test_usage_and_chunk_shapes():
-    assert R.usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert R.usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     c = R.chunk("chat.completion.chunk", "id1", 5, "m", [], with_usage=True)
     assert c["usage"] is None and c["object"] == "chat.completion.chunk"
     assert "usage" not in R.chunk("text_completion", "id1", 5, "m", [], with_usage=False)

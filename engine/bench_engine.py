@@ -22,6 +22,8 @@ from engine.engine import Engine, EngineConfig
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 
+NATIVE = {"auto": None, "off": False}
+
 
 @dataclass
 class Row:
@@ -91,12 +93,13 @@ class TimedRunner(ModelRunner):
             self.forward_s += time.perf_counter() - t
 
 
-def run_cellserve(model, prompts, output_len: int, attention: str, concurrency: int | None = None) -> Row:
+def run_cellserve(model, prompts, output_len: int, attention: str, concurrency: int | None = None,
+                  native: bool | None = None) -> Row:
     """Run every prompt; with `concurrency` < len(prompts) keep that many in flight (closed loop, like
     `cellserve bench serve --concurrency`), else submit them all at once."""
     concurrency = concurrency or len(prompts)
     n_cells = concurrency * (max(len(p) for p in prompts) + output_len) + 64
-    runner = TimedRunner(model, n_cells=n_cells, attention=attention)
+    runner = TimedRunner(model, n_cells=n_cells, attention=attention, native=native)
     engine = Engine(runner, EngineConfig(max_num_seqs=256, max_num_batched_tokens=2048, max_queue=1 << 20))
     params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     sent: dict[str, float] = {}
@@ -124,7 +127,8 @@ def run_cellserve(model, prompts, output_len: int, attention: str, concurrency: 
         submit(sum(o.finished for o in outs))
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     q = torch.tensor(ttft)
-    return Row(f"cellserve ({attention})", concurrency, engine.generated_tokens, wall, cpu,
+    name = f"cellserve ({attention}{', native' if runner.native is not None else ''})"
+    return Row(name, concurrency, engine.generated_tokens, wall, cpu,
                float(q.quantile(0.5)), float(q.quantile(0.99)), 1 - runner.forward_s / step_s)
 
 
@@ -182,6 +186,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"],
                     help="model dtype (bfloat16 uses the CPU's AVX512-BF16/AMX kernels where present)")
     ap.add_argument("--attention", default="fast", help="fast, reference, or both as 'fast,reference'")
+    ap.add_argument("--native", default="auto", help="the fast path's native Llama-family forward: auto, off, "
+                    "or 'auto,off' to run both (engine/native.py)")
     ap.add_argument("--hf-cb", default="8,32", help="concurrencies at which to run transformers generate_batch "
                     "('' to skip; it is slow on CPU)")
     ap.add_argument("--generate-requests", type=int, default=2, help="requests for the sequential baseline")
@@ -211,8 +217,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = [baseline]
     for c in levels:
         prompts = prompts_for(max(c, args.requests), args.prompt_len, vocab_size=vocab)
-        level = [run_cellserve(model, prompts, args.output_len, attention, c)
-                 for attention in args.attention.split(",")]
+        level = [run_cellserve(model, prompts, args.output_len, attention, c, native)
+                 for attention in args.attention.split(",")
+                 for native in ([None] if attention != "fast" else [NATIVE[n] for n in args.native.split(",")])]
         if c in hf_levels:
             level.append(run_hf_cb(model, prompts, args.output_len))
         print_table(level, baseline)

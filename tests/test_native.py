@@ -1,0 +1,102 @@
+"""The native Llama-family forward (engine/native.py) against the transformers oracle.
+
+The equivalence matrix in test_runner_equivalence.py runs it on every supported architecture; these
+tests pin what that matrix does not reach: each of its three attention modes, steps mixing them,
+bf16 against the fp32 oracle, and which models it refuses.
+"""
+
+import pytest
+import torch
+from tiny_models import full_logits, tiny_model
+
+from engine import native as native_mod
+from engine.runner import ModelRunner
+
+ATOL = 1e-4
+
+
+def _prompt(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 100, (n,), generator=g).tolist()
+
+
+def _modes(monkeypatch) -> list[str]:
+    """Record the attention mode of every native step."""
+    seen = []
+    orig = native_mod._Attend.__init__
+
+    def spy(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        seen.append(self.mode)
+
+    monkeypatch.setattr(native_mod._Attend, "__init__", spy)
+    return seen
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2", "qwen2_sliding", "mistral"])
+def test_every_attention_mode_matches_the_oracle(name, monkeypatch):
+    model = tiny_model(name)
+    runner = ModelRunner(model, n_cells=512)
+    assert runner.native is not None
+    modes = _modes(monkeypatch)
+    hist = {0: _prompt(150, 1), 1: _prompt(9, 2)}
+    out = runner.run({0: (hist[0], 0), 1: (hist[1], 0)})  # 159 tokens: a long prefill goes to sdpa
+    for s in range(2, 10):
+        hist[s] = _prompt(4 + s, 10 + s)
+        out |= runner.run({s: (hist[s], 0)})  # short prefills: dense
+    short = list(range(1, 10))
+    for _ in range(3):  # 9 decodes, each row sees few of the window's cells: per-row gather
+        nxt = {s: int(out[s].argmax()) for s in short}
+        out |= runner.run({s: ([nxt[s]], len(hist[s])) for s in short})
+        for s in short:
+            hist[s].append(nxt[s])
+        torch.testing.assert_close(out[5], full_logits(model, hist[5])[-1], atol=ATOL, rtol=0)
+    # a step mixing a decode with a suffix prefill of another sequence
+    fed = int(out[0].argmax())
+    hist[1] += _prompt(5, 99)
+    out = runner.run({0: ([fed], len(hist[0])), 1: (hist[1][-5:], len(hist[1]) - 5)})
+    hist[0].append(fed)
+    assert {"sdpa", "dense", "gather"} <= set(modes)
+    for s in (0, 1):
+        torch.testing.assert_close(out[s], full_logits(model, hist[s])[-1], atol=ATOL, rtol=0)
+
+
+def test_bf16_stays_close_to_the_fp32_oracle():
+    """bf16 rounds differently from fp32 at every op: same top token, logits within a stated 0.05."""
+    model = tiny_model("llama_gqa")
+    ref_model = tiny_model("llama_gqa")
+    runner = ModelRunner(model.to(torch.bfloat16), n_cells=256)
+    assert runner.native is not None
+    hist = {s: _prompt(6 + s, s) for s in range(4)}
+    out = runner.run({s: (h, 0) for s, h in hist.items()})
+    for _ in range(4):
+        nxt = {s: int(full_logits(ref_model, h)[-1].argmax()) for s, h in hist.items()}
+        out = runner.run({s: ([nxt[s]], len(hist[s])) for s in hist})
+        for s, h in hist.items():
+            h.append(nxt[s])
+    for s, h in hist.items():
+        ref = full_logits(ref_model, h)[-1]
+        torch.testing.assert_close(out[s], ref, atol=0.05, rtol=0)
+
+
+def test_unsupported_models_use_the_transformers_modules():
+    assert native_mod.native_unsupported(tiny_model("gpt2")) is not None
+    runner = ModelRunner(tiny_model("gpt2"), n_cells=64)
+    assert runner.native is None
+    with pytest.raises(ValueError, match="native=True"):
+        ModelRunner(tiny_model("gpt2"), n_cells=64, native=True)
+    assert ModelRunner(tiny_model("llama_gqa"), n_cells=64, attention="reference").native is None
+
+
+def test_linear_fallback_matches_packed():
+    """Without oneDNN packing (other dtypes, other CPUs) the eager epilogues give the same results."""
+    torch.manual_seed(0)
+    w, b = torch.randn(24, 16), torch.randn(24)
+    x, other = torch.randn(3, 16), torch.randn(3, 24)
+    packed = native_mod.Linear(w, b)
+    plain = native_mod.Linear(w, b)
+    plain.packed, plain.weight = None, w
+    for fn in ("__call__", "silu"):
+        torch.testing.assert_close(getattr(packed, fn)(x), getattr(plain, fn)(x), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed.times(x, other), plain.times(x, other), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(packed.plus(x, other), plain.plus(x, other), atol=1e-5, rtol=1e-5)

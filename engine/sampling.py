@@ -37,6 +37,8 @@ MAX_N = 64
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 GREEDY_EPS = 1e-5
+GUIDED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "structural_tag")
+MAX_GUIDED_CHARS = 1 << 20  # a schema/regex/grammar larger than 1 MiB is refused before compiling
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # the range torch.Generator.manual_seed accepts
 
 
@@ -69,6 +71,35 @@ def _integer(name: str, value, lo: int, hi: int) -> int:
     return value
 
 
+@dataclass(frozen=True)
+class GuidedDecoding:
+    """What a completion's text must match (structured output), checked for shape here and compiled by
+    the engine (engine/grammar.py) at admission. Torch-free and hashable.
+
+    kind: json_object (any JSON object) | json_schema (spec: the schema as JSON text) | regex (spec) |
+    choice (choices: one of these strings) | grammar (spec: EBNF/GBNF) | structural_tag (spec: JSON text).
+    `param` is the request field it came from, so a compile error names what the client sent.
+    """
+
+    kind: str
+    spec: str = ""
+    choices: tuple[str, ...] = ()
+    param: str = "response_format"
+
+    def __post_init__(self):
+        if self.kind not in GUIDED_KINDS:
+            raise SamplingError(self.param, f"unknown guided decoding kind {self.kind!r}; one of {GUIDED_KINDS}")
+        if not isinstance(self.spec, str) or len(self.spec) > MAX_GUIDED_CHARS:
+            raise SamplingError(self.param, f"must be text of at most {MAX_GUIDED_CHARS} characters")
+        if self.kind in ("json_schema", "regex", "grammar", "structural_tag") and not self.spec.strip():
+            raise SamplingError(self.param, f"the {self.kind} is empty; give one")
+        if self.kind == "choice":
+            if not self.choices or not all(isinstance(c, str) and c for c in self.choices):
+                raise SamplingError(self.param, "give a non-empty list of non-empty strings to choose from")
+            if sum(len(c) for c in self.choices) > MAX_GUIDED_CHARS:
+                raise SamplingError(self.param, f"the choices exceed {MAX_GUIDED_CHARS} characters")
+
+
 @dataclass
 class SamplingParams:
     """How to pick the tokens of one completion. Guarantees: every field is in range after construction.
@@ -95,6 +126,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
     n: int = 1
+    guided: GuidedDecoding | None = None  # structured output: the text must match this grammar
 
     def __post_init__(self):
         self.max_tokens = _integer("max_tokens", self.max_tokens, 0, 2**31 - 1)
@@ -116,6 +148,8 @@ class SamplingParams:
         if self.logprobs is not None:
             self.logprobs = _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         self.n = _integer("n", self.n, 1, MAX_N)
+        if self.guided is not None and not isinstance(self.guided, GuidedDecoding):
+            raise SamplingError("guided", f"must be a GuidedDecoding, got {type(self.guided).__name__}")
 
     @staticmethod
     def _check_stop(stop) -> list[str]:
@@ -242,32 +276,41 @@ class Sampler:
     - output_ids: B lists of the row's previously generated token ids (presence/frequency penalties use
       these; repetition penalty uses prompt + output). Only read for rows with penalties.
     - prompt_ids: B lists of prompt token ids, or None (then repetition penalty sees only the output).
+    - grammars: B `engine.grammar.GrammarState` or None (structured output): a row with one may only
+      pick a token its grammar allows. The mask is applied after bias and penalties, before
+      temperature and truncation (vLLM's order); logprobs stay raw (the unmasked model).
     """
 
     def __call__(self, logits: torch.Tensor, params: Sequence[SamplingParams],
                  generators: Sequence[torch.Generator | None],
                  output_ids: Sequence[Sequence[int]] | None = None,
-                 prompt_ids: Sequence[Sequence[int]] | None = None) -> SampleResult:
-        B = self._check_inputs(logits, params, generators, output_ids, prompt_ids)
+                 prompt_ids: Sequence[Sequence[int]] | None = None,
+                 grammars: Sequence[object | None] | None = None) -> SampleResult:
+        B = self._check_inputs(logits, params, generators, output_ids, prompt_ids, grammars)
         want_lp = any(p.logprobs is not None for p in params)
         plain = not any(p.has_penalties or p.logit_bias for p in params)
-        if plain and not want_lp and all(p.greedy for p in params):
+        constrained = [i for i, g in enumerate(grammars or ()) if g is not None]
+        if plain and not want_lp and not constrained and all(p.greedy for p in params):
             return SampleResult(logits.argmax(dim=-1).tolist(), [None] * B, [None] * B)
 
         x = logits.float().clone()
         if not plain:
             self._apply_bias_and_penalties(x, params, output_ids, prompt_ids)
+        if constrained:
+            from engine.grammar import apply_masks  # xgrammar is loaded only once a grammar is used
+
+            apply_masks(x, constrained, [grammars[i] for i in constrained])
         tokens = self._choose(x, params, generators)
         lp, top = self._logprobs(logits, tokens, params) if want_lp else ([None] * B, [None] * B)
         return SampleResult(tokens.tolist(), lp, top)
 
     @staticmethod
-    def _check_inputs(logits, params, generators, output_ids, prompt_ids) -> int:
+    def _check_inputs(logits, params, generators, output_ids, prompt_ids, grammars=None) -> int:
         if logits.dim() != 2:
             raise ValueError(f"logits must be [B, V], got shape {tuple(logits.shape)}")
         B = logits.shape[0]
         for name, rows in (("params", params), ("generators", generators),
-                           ("output_ids", output_ids), ("prompt_ids", prompt_ids)):
+                           ("output_ids", output_ids), ("prompt_ids", prompt_ids), ("grammars", grammars)):
             if rows is not None and len(rows) != B:
                 raise ValueError(f"{name} has {len(rows)} entries but logits has {B} rows; pass one per row")
         for i, (p, g) in enumerate(zip(params, generators)):

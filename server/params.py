@@ -15,8 +15,10 @@ PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids
                "frequency_penalty", "repetition_penalty")
 
 
-def sampling_params(fields: SamplingFields, *, max_tokens: int, logprobs: int | None) -> Any:
-    from engine.sampling import SamplingParams  # the engine's own type; imported lazily (torch-heavy)
+def sampling_params(fields: SamplingFields, *, max_tokens: int, logprobs: int | None,
+                    guided: dict | None = None) -> Any:
+    """`guided`: an output constraint that overrides the fields' own (tool calls build one)."""
+    from engine.sampling import GuidedDecoding, SamplingParams  # the engine's types; lazily (torch-heavy)
 
     kwargs: dict[str, Any] = {"max_tokens": max_tokens, "n": fields.n, "ignore_eos": fields.ignore_eos,
                               "logprobs": logprobs}
@@ -29,7 +31,10 @@ def sampling_params(fields: SamplingFields, *, max_tokens: int, logprobs: int | 
     bias = fields.logit_bias_ids()
     if bias:
         kwargs["logit_bias"] = bias
+    guided = fields.guided() if guided is None else guided
     try:
+        if guided is not None:
+            kwargs["guided"] = GuidedDecoding(**guided)
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as exc:
         raise APIError(400, f"invalid sampling parameters: {exc}", param=getattr(exc, "param", None)) from exc

@@ -1,7 +1,11 @@
 """Request schemas (pydantic v2) for every route: what a client may send, checked before any work.
 
 Guarantees:
-- Unknown fields are ignored, as OpenAI's server does (the `openai` SDK's `extra_body` lands here).
+- Unknown fields are ignored, as OpenAI's server does (the `openai` SDK's `extra_body` lands here), but a
+  known OpenAI/vLLM/llama.cpp field this server does not honour is a 400 naming it (`UNSUPPORTED`),
+  unless it holds its no-op value (`best_of: 1`, `skip_special_tokens: true`, ...): a request is never
+  silently answered as if a field it relies on had been applied. Fields that change nothing here
+  (`user`, `model`, `metadata`, `store`, `service_tier`, ...) are accepted and ignored (`IGNORED`).
 - Types are strict: `"5"` is not an int, `1` is not a bool; a float field accepts an int. A wrong type
   or an out-of-range value is a 400 whose `param` names the field (see `server.errors`).
 - Polymorphic fields (`prompt`, `stop`, message `content`) are checked by hand-written validators
@@ -10,6 +14,7 @@ Guarantees:
 Responses are plain dicts built in `server.responses`, in OpenAI's exact shapes.
 """
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -88,6 +93,35 @@ def normalize_single_prompt(value: Any) -> str | list[int] | None:
     raise ValueError("prompt must be a string or a non-empty list of non-negative token ids")
 
 
+# field -> the values that mean "off" (accepted and ignored); any other value is a 400 naming the field.
+UNSUPPORTED: dict[str, tuple] = {
+    "best_of": (1,), "use_beam_search": (False,), "length_penalty": (1, 1.0), "early_stopping": (False,),
+    "min_tokens": (0,), "allowed_token_ids": (), "bad_words": ([],), "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
+    "guided_whitespace_pattern": (), "structural_tag": (), "logits_processors": ([],), "typical_p": (1, 1.0),
+    "top_a": (0, 0.0), "tfs_z": (1, 1.0), "mirostat": (0,), "n_probs": (0,), "grammar": ("",), "json_schema": (),
+    "return_tokens_as_token_ids": (False,), "prompt_logprobs": (), "priority": (0,), "kv_transfer_params": (),
+    "vllm_xargs": (), "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (),
+    "web_search_options": (), "functions": (), "function_call": ("none",), "documents": (), "chat_template": (),
+    "chat_template_kwargs": (), "continue_final_message": (False,), "mm_processor_kwargs": (),
+    "verbosity": (), "bad_words_ids": (), "min_length": (0,), "thinking": (),
+}
+# Accepted and ignored: they change nothing this server computes (listed in the README).
+IGNORED = ("model", "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+           "request_id", "parallel_tool_calls (without tools)")
+GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+GUIDED_BACKENDS = ("xgrammar", "auto")
+
+
+def _reject_unsupported(data: dict, unsupported: dict[str, tuple]) -> None:
+    for name, off in unsupported.items():
+        value = data.get(name)
+        if value is None or any(value == v and type(value) is type(v) for v in off):
+            continue
+        raise ParamError(name, f"'{name}' is not supported by this server (got {value!r}); remove it"
+                         + (f" or send {off[0]!r}" if off else ""))
+
+
 class StreamOptions(StrictModel):
     include_usage: bool = False
 
@@ -120,8 +154,38 @@ class ChatMessage(StrictModel):
         return out
 
 
+class JsonSchemaFormat(StrictModel):
+    """`response_format.json_schema`: the output must be JSON valid against `schema` (always enforced by
+    the grammar, so `strict` true or false both get schema-valid JSON)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=256)
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_present(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ParamError("response_format", "type json_schema needs a json_schema object: "
+                             "{'name': ..., 'schema': {...}, 'strict': true}")
+        return self
+
+
 class SamplingFields(StrictModel):
     """Sampling fields shared by completions, chat and sequence completions (OpenAI + vLLM extras)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unsupported_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            _reject_unsupported(data, UNSUPPORTED)
+        return data
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -141,6 +205,12 @@ class SamplingFields(StrictModel):
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
     user: str | None = None
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -168,6 +238,43 @@ class SamplingFields(StrictModel):
         if self.stream_options is not None and not self.stream:
             raise ParamError("stream_options", "stream_options is only allowed with stream=true")
         return self
+
+    @model_validator(mode="after")
+    def _one_guide(self):
+        given = [f for f in GUIDED_FIELDS if getattr(self, f) is not None
+                 and not (f == "response_format" and self.response_format.type == "text")]
+        if len(given) > 1:
+            raise ParamError(given[1], f"give at most one of {', '.join(given)}: they each constrain the output")
+        if self.guided_decoding_backend is not None and self.guided_decoding_backend not in GUIDED_BACKENDS:
+            raise ParamError("guided_decoding_backend", f"this server decodes with xgrammar; send one of "
+                             f"{GUIDED_BACKENDS} or leave it unset (got {self.guided_decoding_backend!r})")
+        if isinstance(self.guided_json, str):
+            try:
+                self.guided_json = json.loads(self.guided_json)
+            except ValueError as exc:
+                raise ParamError("guided_json", f"is not valid JSON: {exc}") from None
+            if not isinstance(self.guided_json, dict):
+                raise ParamError("guided_json", "must be a JSON schema object")
+        if self.guided_choice is not None and (not self.guided_choice or not all(self.guided_choice)):
+            raise ParamError("guided_choice", "give a non-empty list of non-empty strings")
+        return self
+
+    def guided(self) -> dict | None:
+        """The output constraint as `engine.sampling.GuidedDecoding` fields (kind, spec, choices, param)."""
+        rf = self.response_format
+        if rf is not None and rf.type == "json_object":
+            return {"kind": "json_object", "param": "response_format"}
+        if rf is not None and rf.type == "json_schema":
+            return {"kind": "json_schema", "spec": json.dumps(rf.json_schema.schema_), "param": "response_format"}
+        if self.guided_json is not None:
+            return {"kind": "json_schema", "spec": json.dumps(self.guided_json), "param": "guided_json"}
+        if self.guided_regex is not None:
+            return {"kind": "regex", "spec": self.guided_regex, "param": "guided_regex"}
+        if self.guided_choice is not None:
+            return {"kind": "choice", "choices": tuple(self.guided_choice), "param": "guided_choice"}
+        if self.guided_grammar is not None:
+            return {"kind": "grammar", "spec": self.guided_grammar, "param": "guided_grammar"}
+        return None
 
     def logit_bias_ids(self) -> dict[int, float] | None:
         return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None

@@ -62,8 +62,13 @@ def test_wrong_types_and_ranges_name_the_param(field, value):
 
 
 def test_unknown_fields_are_ignored_and_defaults_apply():
-    req = CompletionRequest.model_validate({"prompt": "x", "best_of": 3, "whatever": {"a": 1}})
+    req = CompletionRequest.model_validate({"prompt": "x", "best_of": 1, "whatever": {"a": 1}})
     assert req.n == 1 and not req.stream and req.max_tokens is None and req.stop is None
+
+
+def test_known_fields_this_server_does_not_honour_are_400s():
+    assert as_400(CompletionRequest, {"prompt": "x", "best_of": 3}).param == "best_of"
+    assert as_400(CompletionRequest, {"prompt": "x", "use_beam_search": True}).param == "use_beam_search"
 
 
 def test_float_fields_accept_ints_and_stop_accepts_a_string():

@@ -1,0 +1,118 @@
+"""Structured output: grammars compiled with xgrammar, one matcher per generating row, masks in the Sampler.
+
+Why xgrammar: measured on this CPU with the bundled model's tokenizer (4096 tokens) and a 5-field JSON
+schema walked token by token (87 tokens), the per-token mask cost was xgrammar 4-5 us mean / 165 us
+worst, llguidance 50-100 us mean / 2.4-6.5 ms worst (its first mask), outlines-core 5 us mean but an
+11 ms compile that grows with vocabulary x automaton states and no context-free grammars. xgrammar
+also compiles EBNF (vLLM's `guided_grammar`), regexes and structural tags (tool calls) with precise
+errors. A decode step of the bundled model is milliseconds, so masks cost well under 10% of it.
+
+Guarantees:
+- `GrammarCompiler.compile` either returns a compiled grammar or raises `InvalidRequest` naming the
+  request field the grammar came from (`response_format`, `guided_json`, `tool_choice`, ...) and
+  what the engine could not compile, so the HTTP layer answers 400 before anything runs.
+- A `GrammarState` follows exactly the tokens its row generated; the row's allowed set at every step
+  is the grammar's, and EOS is allowed only when the grammar is complete (xgrammar's stop tokens are
+  the engine's EOS ids). `terminated` is true once the grammar has accepted EOS: the choice ends
+  with finish_reason "stop".
+- `apply_masks` fills one bitmask row per constrained row (one C++ call each: a loop over rows, never
+  over tokens or the vocabulary) and applies them in one vectorised op, so constrained and free rows
+  share a batch and free rows are untouched.
+"""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from engine.errors import InvalidRequest
+from engine.sampling import GuidedDecoding
+
+# JSON is produced compactly (`, ` and `: ` separators, no free whitespace): a model cannot loop on
+# whitespace inside a structure, and any JSON parser reads it (vLLM's `disable_any_whitespace`).
+_ANY_WHITESPACE = False
+
+
+class GrammarState:
+    """One row's matcher: what its generated tokens have matched so far."""
+
+    __slots__ = ("matcher",)
+
+    def __init__(self, matcher):
+        self.matcher = matcher
+
+    def accept(self, token_id: int) -> None:
+        """Advance by the sampled token. The mask allowed only grammar tokens, so a refusal is a bug."""
+        if not self.matcher.accept_token(token_id):
+            raise RuntimeError(f"the grammar refused token {token_id}, which its own mask allowed")
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+
+class GrammarCompiler:
+    """Compiles `GuidedDecoding` specs for one tokenizer; xgrammar caches compiled grammars by spec."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_ids: list[int]):
+        import xgrammar as xgr
+
+        self._xgr = xgr
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids or None)
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+
+    def compile(self, spec: GuidedDecoding):
+        c, kind = self._compiler, spec.kind
+        try:
+            if kind == "json_object":
+                return c.compile_json_schema('{"type": "object"}', any_whitespace=_ANY_WHITESPACE, strict_mode=False)
+            if kind == "json_schema":
+                return c.compile_json_schema(spec.spec, any_whitespace=_ANY_WHITESPACE)
+            if kind == "regex":
+                return c.compile_regex(spec.spec)
+            if kind == "choice":
+                return c.compile_grammar("root ::= " + " | ".join(json.dumps(s) for s in spec.choices))
+            if kind == "grammar":
+                return c.compile_grammar(spec.spec)
+            if kind == "structural_tag":
+                return c.compile_structural_tag(spec.spec)
+        except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar: RuntimeError with the converter's message
+            raise InvalidRequest(f"{spec.param}: the {kind.replace('_', ' ')} cannot be compiled: "
+                                 f"{_reason(exc)}", spec.param) from None
+        raise InvalidRequest(f"{spec.param}: unknown guided decoding kind {kind!r}", spec.param)
+
+    def state(self, compiled) -> GrammarState:
+        return GrammarState(self._xgr.GrammarMatcher(compiled))
+
+
+_bitmask: torch.Tensor | None = None  # reused across steps (engine thread only), grown on demand
+
+
+def apply_masks(x: torch.Tensor, rows: list[int], states: list[GrammarState]) -> None:
+    """In place on x [B, V]: every token the grammar of row rows[j] forbids becomes -inf.
+
+    One `fill_next_token_bitmask` per constrained row into a reused int32 bitmask, then one
+    vectorised application over those rows; other rows are not touched."""
+    global _bitmask
+    import xgrammar as xgr
+
+    words = (x.shape[1] + 31) // 32
+    if _bitmask is None or _bitmask.shape[0] < len(rows) or _bitmask.shape[1] != words:
+        _bitmask = xgr.allocate_token_bitmask(max(len(rows), 8), x.shape[1])
+    bitmask = _bitmask[: len(rows)]
+    for j, st in enumerate(states):
+        st.matcher.fill_next_token_bitmask(bitmask, j)
+    idx = torch.tensor(rows)
+    sub = x.index_select(0, idx)
+    xgr.apply_token_bitmask_inplace(sub, bitmask, vocab_size=x.shape[1])
+    x.index_copy_(0, idx, sub)
+
+
+def _reason(exc: Exception) -> str:
+    """xgrammar messages start with `[time] /path/file.cc:line: `; keep what follows."""
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    _, sep, tail = text.partition(".cc:")
+    if sep:
+        text = tail.split(": ", 1)[-1]
+    return text[:500]

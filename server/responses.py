@@ -92,12 +92,17 @@ def chat_response(rid: str, created: int, model: str, choices: list[dict], use: 
             "choices": choices, "usage": use, "system_fingerprint": None}
 
 
-def chat_choice(c: ChoiceState, token_str: TokenStr, want_logprobs: bool) -> dict:
+def chat_choice(c: ChoiceState, token_str: TokenStr, want_logprobs: bool, content: str | None = None,
+                tool_calls: list[dict] | None = None) -> dict:
+    """`content`/`tool_calls`: the text split by `server.tools` when tools were offered (else the text)."""
+    calls = tool_calls or []
+    finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
     return {
         "index": c.index,
-        "message": {"role": "assistant", "content": c.text, "refusal": None, "tool_calls": []},
+        "message": {"role": "assistant", "content": c.text if content is None and not calls else content,
+                    "refusal": None, "tool_calls": calls},
         "logprobs": chat_logprobs(c.logprobs, token_str) if want_logprobs else None,
-        "finish_reason": c.finish_reason,
+        "finish_reason": finish,
         "stop_reason": c.stop_reason,
     }
 

@@ -11,10 +11,12 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from server.context import ServerContext
+from server.errors import APIError
 from server.generation import GenerationRun
 from server.params import sampling_params
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.serving import ChatFormatter, Formatter, serve
+from server.tools import call_grammar, supports_tools, template_tools
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
 
@@ -49,12 +51,26 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     engine = ctx.require_engine()
     ctx.limits.check_choices(1, body.n)
     messages = [m.as_template_dict() for m in body.messages]
-    prompt = await ctx.tokens.encode_chat(messages, add_generation_prompt=body.add_generation_prompt)
+    mode = body.tool_mode()
+    tools = None
+    if mode != "none":
+        if supports_tools(getattr(ctx.tokens.tok, "chat_template", None)):
+            tools = template_tools(body.tools)
+        elif mode == "auto":
+            raise APIError(400, "this model's chat template cannot render tools, so the model cannot choose to "
+                           "call one; send tool_choice 'required' or a named function (decoding is then "
+                           "constrained to a well-formed call), or no tools", param="tools")
+    prompt = await ctx.tokens.encode_chat(messages, add_generation_prompt=body.add_generation_prompt, tools=tools)
     max_tokens = body.max_new_tokens()
     if max_tokens is None:
         max_tokens = ctx.default_max_tokens(len(prompt), body.n)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs)
+    guided = None
+    if mode in ("required", "named") or (mode == "auto" and body.guided() is None):
+        guided = call_grammar(body.tools, body.tool_name(), parallel=body.parallel_tool_calls,
+                              triggered=mode == "auto")
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, guided=guided)
     run = GenerationRun(engine, new_id("chatcmpl"), [prompt], params, metrics=ctx.metrics)
-    fmt = ChatFormatter(ctx, run, n=body.n, want_logprobs=body.logprobs, include_usage=body.include_usage())
+    fmt = ChatFormatter(ctx, run, n=body.n, want_logprobs=body.logprobs, include_usage=body.include_usage(),
+                        tools=mode != "none", parallel_tool_calls=body.parallel_tool_calls)
     return await serve(request, ctx, run, fmt, stream=body.stream)

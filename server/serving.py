@@ -21,6 +21,7 @@ from server.context import ServerContext
 from server.errors import APIError, as_api_error, error_body
 from server.generation import ClientGone, GenerationRun, await_or_disconnect
 from server.sse import DONE, SSEResponse
+from server.tools import ToolCallStream, parse_tool_calls
 
 log = logging.getLogger("cellserve.server")
 
@@ -90,21 +91,48 @@ class Formatter:
 
 
 class ChatFormatter(Formatter):
+    """Chat shapes. With `tools` (tools offered, tool_choice not none) the text is split into content
+    and `tool_calls` (server.tools), whole or streamed, and a choice that stopped after calling tools
+    ends with finish_reason `tool_calls`."""
+
     chunk_object = "chat.completion.chunk"
 
+    def __init__(self, *args, tools: bool = False, parallel_tool_calls: bool = True, **kw):
+        super().__init__(*args, **kw)
+        self.tools, self.parallel = tools, parallel_tool_calls
+        self.tool_streams = {st.index: ToolCallStream(parallel_tool_calls) for st in self.states.values()} if tools else {}
+
     def final(self) -> dict:
-        choices = [R.chat_choice(s, self.ctx.tokens.token_str, self.want_logprobs) for s in self.ordered()]
+        choices = []
+        for s in self.ordered():
+            content, calls = parse_tool_calls(s.text, self.parallel) if self.tools else (s.text, [])
+            choices.append(R.chat_choice(s, self.ctx.tokens.token_str, self.want_logprobs, content, calls))
         return R.chat_response(self.run.request_id, self.created, self.ctx.model_name, choices, self.usage())
 
     def opening_chunks(self) -> list[dict]:
         return [self._chunk([{"index": s.index, "delta": {"role": "assistant", "content": ""},
                               "logprobs": None, "finish_reason": None}]) for s in self.ordered()]
 
-    def delta_chunk(self, st: R.ChoiceState, co: CompletionOutput, first: bool) -> dict:
+    def delta_chunk(self, st: R.ChoiceState, co: CompletionOutput, first: bool) -> dict | None:
         lp = R.chat_logprobs(co.logprobs or [], self.ctx.tokens.token_str) if self.want_logprobs else None
-        delta = {"content": co.text} if co.text or not co.finish_reason else {}
+        finish = co.finish_reason
+        if not self.tools:
+            delta = {"content": co.text} if co.text or not finish else {}
+        else:
+            stream = self.tool_streams[st.index]
+            done = len(stream.calls)
+            text, calls = stream.feed(co.text)
+            if finish:
+                text += stream.close()
+            delta = {"content": text} if text else {}
+            if calls:
+                delta["tool_calls"] = [{"index": done + j, **c} for j, c in enumerate(calls)]
+            if finish == "stop" and stream.calls:
+                finish = "tool_calls"
+            if not delta and not finish and lp is None:
+                return None  # held back: it may be the start of a tool call
         return self._chunk([{"index": st.index, "delta": delta, "logprobs": lp,
-                             "finish_reason": co.finish_reason, "stop_reason": co.stop_reason}])
+                             "finish_reason": finish, "stop_reason": co.stop_reason}])
 
 
 async def serve(request: Request, ctx: ServerContext, run: GenerationRun, fmt: Formatter, *,
@@ -154,7 +182,9 @@ async def _stream(ctx: ServerContext, run: GenerationRun, fmt: Formatter) -> Asy
                     yield DONE
                     return
                 if co.text or co.token_ids or co.finish_reason or (first and st.prefix):
-                    yield fmt.delta_chunk(st, co, first)
+                    chunk = fmt.delta_chunk(st, co, first)
+                    if chunk is not None:
+                        yield chunk
         if fmt.include_usage:
             yield R.usage_chunk(fmt.chunk_object, run.request_id, fmt.created, ctx.model_name, fmt.usage())
     except Exception as exc:  # any failure must reach the client as an error event

@@ -16,6 +16,7 @@ Guarantees:
 """
 
 import asyncio
+import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -41,15 +42,18 @@ class TokenizerService:
         ids = await asyncio.to_thread(self.tok.encode, text, add_special_tokens=add_special_tokens)
         return self._non_empty(list(ids), param)
 
-    async def encode_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True) -> list[int]:
+    async def encode_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
+                          tools: list[dict] | None = None) -> list[int]:
+        """`tools`: OpenAI tool definitions for templates that render them (`server.tools.supports_tools`)."""
         if not self.has_chat_template:
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions with a "
                            "plain prompt instead", param="messages")
-        self.check_length([m.get("content") or "" for m in messages], "messages")
+        self.check_length([m.get("content") or "" for m in messages] + [json.dumps(tools or "")], "messages")
+        extra = {"tools": tools} if tools else {}
         try:
             out = await asyncio.to_thread(
                 self.tok.apply_chat_template, list(messages), add_generation_prompt=add_generation_prompt,
-                tokenize=True, return_dict=False,
+                tokenize=True, return_dict=False, **extra,
             )
         except Exception as exc:  # jinja errors: template rejects the roles/order given
             raise APIError(400, f"the chat template rejected these messages: {exc}", param="messages") from exc

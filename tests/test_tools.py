@@ -1,0 +1,207 @@
+"""Tool calling (server/tools.py) through a real server over the bundled default model: with a Hermes-style
+chat template that renders tools, and with the bundled template that cannot. The toy model has never seen
+a tool; `required` and a named `tool_choice` constrain decoding, so its calls are still well-formed and
+their arguments valid against each tool's schema."""
+
+import json
+import shutil
+
+import jsonschema
+import openai
+import pytest
+from http_support import LiveServer, sse_events
+
+from engine.models import DEFAULT_MODEL_DIR
+from server.tools import ToolCallStream, parse_tool_calls
+
+WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
+                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
+           "required": ["city", "unit"], "additionalProperties": False}
+TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
+         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
+SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
+MESSAGES = [{"role": "user", "content": "What is the weather in Verona?"}]
+
+# A Hermes/Qwen2.5-style template (ChatML turns, tools in the system turn, <tool_call> blocks, tool turns).
+HERMES = """{%- if tools %}<|im_start|>system
+# Tools
+<tools>{% for tool in tools %}
+{{ tool | tojson }}{% endfor %}
+</tools>
+For each call return <tool_call>
+{"name": <function-name>, "arguments": <args-json-object>}
+</tool_call><|im_end|>
+{% endif %}{%- for m in messages %}{%- if m.role == 'tool' %}<|im_start|>user
+<tool_response>
+{{ m.content }}
+</tool_response><|im_end|>
+{% elif m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant
+{% for c in m.tool_calls %}<tool_call>
+{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
+</tool_call>{% endfor %}<|im_end|>
+{% else %}<|im_start|>{{ m.role }}
+{{ m.content }}<|im_end|>
+{% endif %}{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant
+{% endif %}"""
+
+
+@pytest.fixture(scope="module")
+def hermes_dir(tmp_path_factory):
+    path = tmp_path_factory.mktemp("hermes-model")
+    for f in DEFAULT_MODEL_DIR.iterdir():
+        if f.is_file() and f.name != "chat_template.jinja":
+            shutil.copy(f, path / f.name)
+    (path / "chat_template.jinja").write_text(HERMES)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def srv(hermes_dir):
+    with LiveServer(hermes_dir, n_cells=4096) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def client(srv):
+    return openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+
+
+def check_calls(calls, names=None):
+    assert calls
+    for call in calls:
+        assert call.id.startswith("call_") and call.type == "function"
+        assert names is None or call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+# ----- parsing ------------------------------------------------------------------------------------------
+
+CALL = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
+
+
+def test_parse_whole_text_calls_and_content():
+    assert parse_tool_calls("just text") == ("just text", [])
+    content, calls = parse_tool_calls(CALL + "\n" + CALL.replace("UTC", "CET"))
+    assert content is None and [json.loads(c["function"]["arguments"]) for c in calls] == [{"zone": "UTC"},
+                                                                                            {"zone": "CET"}]
+    content, calls = parse_tool_calls("Let me check. " + CALL, parallel=False)
+    assert content == "Let me check." and len(calls) == 1
+    bad = "<tool_call>\n{not json}\n</tool_call>"
+    assert parse_tool_calls(bad) == (bad, [])
+    assert parse_tool_calls("a <tool_call> never closed") == ("a <tool_call> never closed", [])
+
+
+@pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
+def test_streamed_parsing_equals_whole_parsing_in_any_split(step):
+    text = "Sure <tool" + "x> then " + CALL + "\n" + CALL + " done <tool_ca"
+    stream = ToolCallStream()
+    content, calls = "", []
+    for i in range(0, len(text), step):
+        c, new = stream.feed(text[i:i + step])
+        content, calls = content + c, calls + new
+    content += stream.close()
+    whole_content, whole_calls = parse_tool_calls(text)
+    assert content.strip() == whole_content and [c["function"] for c in calls] == [c["function"] for c in whole_calls]
+
+
+# ----- through the server -------------------------------------------------------------------------------
+
+def test_required_gives_well_formed_calls_with_finish_reason_tool_calls(client):
+    for seed in range(3):
+        out = client.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                             parallel_tool_calls=False, max_tokens=100, temperature=1.0, seed=seed)
+        choice = out.choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        assert choice.message.content is None
+        check_calls(choice.message.tool_calls, SCHEMAS)
+    # parallel calls allowed: the model decides how many; every complete one is well-formed
+    out = client.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                         max_tokens=100, temperature=0.8, seed=9)
+    check_calls(out.choices[0].message.tool_calls, SCHEMAS)
+    assert out.choices[0].finish_reason in ("tool_calls", "length")
+
+
+def test_named_function_and_parallel_tool_calls_false(client):
+    out = client.chat.completions.create(
+        model="m", messages=MESSAGES, tools=TOOLS, max_tokens=100, temperature=0.9, seed=4,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}})
+    check_calls(out.choices[0].message.tool_calls, {"get_weather"})
+    assert len(out.choices[0].message.tool_calls) == 1
+    single = client.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                            parallel_tool_calls=False, max_tokens=100, temperature=0)
+    assert len(single.choices[0].message.tool_calls) == 1 and single.choices[0].finish_reason == "tool_calls"
+
+
+def test_streamed_tool_calls_arrive_as_delta_tool_calls(srv):
+    body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "max_tokens": 100,
+            "parallel_tool_calls": False,
+            "temperature": 0, "stream": True}
+    with srv.client() as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
+        events = sse_events(r.iter_lines())
+    deltas = [e["choices"][0] for e in events[:-1] if e["choices"]]
+    calls = [tc for d in deltas for tc in d["delta"].get("tool_calls") or []]
+    assert calls and [tc["index"] for tc in calls] == list(range(len(calls)))
+    for tc in calls:
+        jsonschema.validate(json.loads(tc["function"]["arguments"]), SCHEMAS[tc["function"]["name"]])
+    assert not "".join(d["delta"].get("content") or "" for d in deltas).strip()
+    assert deltas[-1]["finish_reason"] == "tool_calls" and events[-1] == "[DONE]"
+    with srv.client() as c:
+        whole = c.post("/v1/chat/completions", json={**body, "stream": False}).json()["choices"][0]
+    assert [tc["function"] for tc in whole["message"]["tool_calls"]] == [tc["function"] for tc in calls]
+
+
+def test_auto_without_a_call_is_plain_content_and_none_offers_nothing(client):
+    out = client.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS, max_tokens=12, temperature=0)
+    choice = out.choices[0]
+    assert choice.message.content and not choice.message.tool_calls and choice.finish_reason == "length"
+    none = client.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS, tool_choice="none",
+                                          max_tokens=12, temperature=0)
+    plain = client.chat.completions.create(model="m", messages=MESSAGES, max_tokens=12, temperature=0)
+    assert none.choices[0].message.content == plain.choices[0].message.content
+    assert none.usage.prompt_tokens == plain.usage.prompt_tokens < out.usage.prompt_tokens  # tools rendered
+
+
+def test_follow_up_turn_with_tool_calls_and_tool_results(client, srv):
+    first = client.chat.completions.create(model="m", messages=MESSAGES, tools=TOOLS, tool_choice="required",
+                                           parallel_tool_calls=False, max_tokens=100, temperature=0)
+    call = first.choices[0].message.tool_calls[0]
+    follow = MESSAGES + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump()]},
+        {"role": "tool", "tool_call_id": call.id, "content": '{"temperature": 21}'}]
+    out = client.chat.completions.create(model="m", messages=follow, tools=TOOLS[1:], max_tokens=8, temperature=0)
+    assert out.choices[0].finish_reason in ("length", "stop", "tool_calls")
+    with srv.client() as c:  # the template rendered the call (arguments as an object) and the result
+        tok = c.post("/tokenize", json={"messages": follow, "return_token_strs": True}).json()
+    text = "".join(tok["token_strs"])
+    assert "<tool_response>" in text and f'{{"name": "{call.function.name}", "arguments": {{' in text
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"tool_choice": "required"}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "tool_choice"),
+    ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
+    ({"tools": TOOLS + TOOLS[:1]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "tools[0].function.name"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}],
+      "tool_choice": "required"}, "tool_choice"),
+])
+def test_bad_tool_requests_are_400s(srv, body, param):
+    with srv.client() as c:
+        r = c.post("/v1/chat/completions", json={"messages": MESSAGES, "max_tokens": 4, **body})
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def test_template_without_tools_auto_is_400_but_required_is_constrained():
+    with LiveServer(str(DEFAULT_MODEL_DIR), n_cells=2048) as server, server.client() as c:
+        r = c.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS, "max_tokens": 4})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
+        assert "cannot render tools" in r.json()["error"]["message"]
+        out = c.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS, "max_tokens": 100,
+                                                   "tool_choice": "required", "temperature": 0,
+                                                   "parallel_tool_calls": False}).json()
+        choice = out["choices"][0]
+        assert choice["finish_reason"] == "tool_calls"
+        for tc in choice["message"]["tool_calls"]:
+            jsonschema.validate(json.loads(tc["function"]["arguments"]), SCHEMAS[tc["function"]["name"]])

@@ -35,6 +35,9 @@ class Row:
     ttft_p50_s: float | None = None
     ttft_p99_s: float | None = None
     outside_forward: float | None = None
+    gap_p50_ms: float | None = None  # wall time of the steps during which some sequence was decoding:
+    gap_p99_ms: float | None = None  # each is a gap between two tokens of that sequence's stream
+    gap_cpu_p99_ms: float | None = None  # the same in process CPU time (steadier on a shared machine)
 
     @property
     def tok_s(self) -> float:
@@ -94,14 +97,21 @@ class TimedRunner(ModelRunner):
 
 
 def run_cellserve(model, prompts, output_len: int, attention: str, concurrency: int | None = None,
-                  native: bool | None = None) -> Row:
+                  native: bool | None = None, prefill_cap: int | None = None, range_ratio: float = 0.0) -> Row:
     """Run every prompt; with `concurrency` < len(prompts) keep that many in flight (closed loop, like
-    `cellserve bench serve --concurrency`), else submit them all at once."""
+    `cellserve bench serve --concurrency`), else submit them all at once. With `range_ratio` r, each
+    request's output length is drawn from [L(1-r), L(1+r)] (seeded), so requests end and new prompts
+    arrive while others decode, as in a real load; `prefill_cap` sets the scheduler's prefill tokens
+    per tick while sequences decode."""
     concurrency = concurrency or len(prompts)
     n_cells = concurrency * (max(len(p) for p in prompts) + output_len) + 64
     runner = TimedRunner(model, n_cells=n_cells, attention=attention, native=native)
     engine = Engine(runner, EngineConfig(max_num_seqs=256, max_num_batched_tokens=2048, max_queue=1 << 20))
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    if prefill_cap is not None:
+        engine.scheduler.prefill_while_decoding = prefill_cap
+    g = torch.Generator().manual_seed(2)
+    lengths = (output_len * (1 - range_ratio + 2 * range_ratio * torch.rand(len(prompts), generator=g))).round()
+    params = [SamplingParams(max_tokens=max(1, int(n)), temperature=0.0, ignore_eos=True) for n in lengths]
     sent: dict[str, float] = {}
     ttft: list[float] = []
     pending = list(enumerate(prompts))
@@ -112,24 +122,31 @@ def run_cellserve(model, prompts, output_len: int, attention: str, concurrency: 
             if pending:
                 i, p = pending.pop(0)
                 sent[str(i)] = time.perf_counter()
-                engine.add_request(str(i), p, params)
+                engine.add_request(str(i), p, params[i])
 
     submit(concurrency)
     step_s = 0.0
+    gaps, cpu_gaps = [], []
     while engine.has_unfinished():
-        ts = time.perf_counter()
+        decoding = any(s.num_generated > 0 for s in engine.scheduler.running)
+        ts, cs = time.perf_counter(), time.process_time()
         outs = engine.step()
         step_s += time.perf_counter() - ts
+        if decoding:
+            gaps.append(time.perf_counter() - ts)
+            cpu_gaps.append(time.process_time() - cs)
         now = time.perf_counter()
         for out in outs:
             if out.request_id in sent and out.outputs and out.outputs[0].token_ids:
                 ttft.append(now - sent.pop(out.request_id))
         submit(sum(o.finished for o in outs))
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
-    q = torch.tensor(ttft)
-    name = f"cellserve ({attention}{', native' if runner.native is not None else ''})"
+    q, gap, cpu_gap = torch.tensor(ttft), torch.tensor(gaps or [0.0]) * 1e3, torch.tensor(cpu_gaps or [0.0]) * 1e3
+    name = f"cellserve ({attention}{', native' if runner.native is not None else ''}"
+    name += f", cap {prefill_cap})" if prefill_cap is not None else ")"
     return Row(name, concurrency, engine.generated_tokens, wall, cpu,
-               float(q.quantile(0.5)), float(q.quantile(0.99)), 1 - runner.forward_s / step_s)
+               float(q.quantile(0.5)), float(q.quantile(0.99)), 1 - runner.forward_s / step_s,
+               float(gap.quantile(0.5)), float(gap.quantile(0.99)), float(cpu_gap.quantile(0.99)))
 
 
 def run_hf_cb(model, prompts, output_len: int) -> Row:
@@ -165,13 +182,14 @@ def machine() -> str:
 
 
 def print_table(rows: list[Row], baseline: Row) -> None:
-    print(f"{'system':36} {'conc':>5} {'tokens':>7} {'wall s':>8} {'tok/s':>8} {'x generate':>10} "
-          f"{'ttft p50':>9} {'ttft p99':>9} {'outside fwd':>11}")
+    print(f"{'system':44} {'conc':>5} {'tokens':>7} {'wall s':>8} {'tok/s':>8} {'tok/cpu-s':>9} {'x generate':>10} "
+          f"{'ttft p50':>9} {'ttft p99':>9} {'outside fwd':>11} {'gap p50/p99 ms':>15} {'cpu gap p99':>11}")
     for r in rows:
         ttft = (f"{r.ttft_p50_s:9.2f} {r.ttft_p99_s:9.2f}" if r.ttft_p50_s is not None else f"{'':9} {'':9}")
-        out = f"{r.outside_forward:11.1%}" if r.outside_forward is not None else ""
-        print(f"{r.system:36} {r.concurrency:5d} {r.generated_tokens:7d} {r.wall_s:8.2f} {r.tok_s:8.1f} "
-              f"{r.tok_s / baseline.tok_s:10.2f} {ttft} {out}")
+        out = f"{r.outside_forward:11.1%}" if r.outside_forward is not None else f"{'':11}"
+        gap = f"{r.gap_p50_ms:7.0f}/{r.gap_p99_ms:<7.0f} {r.gap_cpu_p99_ms:11.0f}" if r.gap_p50_ms is not None else ""
+        print(f"{r.system:44} {r.concurrency:5d} {r.generated_tokens:7d} {r.wall_s:8.2f} {r.tok_s:8.1f} "
+              f"{r.generated_tokens / r.cpu_s:9.1f} {r.tok_s / baseline.tok_s:10.2f} {ttft} {out} {gap}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -190,6 +208,9 @@ def main(argv: list[str] | None = None) -> int:
                     "or 'auto,off' to run both (engine/native.py)")
     ap.add_argument("--hf-cb", default="8,32", help="concurrencies at which to run transformers generate_batch "
                     "('' to skip; it is slow on CPU)")
+    ap.add_argument("--prefill-cap", default="", help="comma-separated prefill tokens per tick while sequences "
+                    "decode, to compare (default: the scheduler's)")
+    ap.add_argument("--range-ratio", type=float, default=0.0, help="output lengths drawn from [L(1-r), L(1+r)]")
     ap.add_argument("--generate-requests", type=int, default=2, help="requests for the sequential baseline")
     ap.add_argument("--json", help="write every row here")
     ap.add_argument("--save-model", metavar="DIR", help="only save the 56M model (with a tokenizer) to DIR, "
@@ -217,7 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     rows = [baseline]
     for c in levels:
         prompts = prompts_for(max(c, args.requests), args.prompt_len, vocab_size=vocab)
-        level = [run_cellserve(model, prompts, args.output_len, attention, c, native)
+        caps = [int(x) for x in args.prefill_cap.split(",") if x] or [None]
+        level = [run_cellserve(model, prompts, args.output_len, attention, c, native, cap, args.range_ratio)
+                 for cap in caps
                  for attention in args.attention.split(",")
                  for native in ([None] if attention != "fast" else [NATIVE[n] for n in args.native.split(",")])]
         if c in hf_levels:

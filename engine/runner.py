@@ -7,6 +7,7 @@ the cells the step claimed are released, so the cache is exactly as it was befor
 """
 
 import inspect
+import os
 from pathlib import Path
 
 import torch
@@ -43,8 +44,9 @@ class ModelRunner:
     cell step (no `cell_rows` given) it behaves exactly like sdpa, so the model stays usable as is.
 
     `native` (fast path only): run Llama-family models through `NativeLlama`, the same math in fused
-    ops over the same pools. None (default) = whenever the model is supported; False = always the
-    transformers modules (which stay the oracle and the path for every other architecture).
+    ops over the same pools. None (default) = whenever the model is supported (unless the environment
+    sets CELLSERVE_NATIVE=0); False = always the transformers modules (which stay the oracle and the
+    path for every other architecture).
     """
 
     def __init__(
@@ -79,6 +81,8 @@ class ModelRunner:
         n_layers = self.config.get_text_config().num_hidden_layers
         self.cache = CellCache(n_cells, n_layers, max_seqs, compact=attention == "fast", device=self.device)
         self.attention = attention
+        if native is None and os.environ.get("CELLSERVE_NATIVE") == "0":  # escape hatch, and A/B benchmarks
+            native = False
         reason = native_unsupported(model) if attention == "fast" else "the reference path is the oracle"
         if native and reason:
             raise ValueError(f"native=True but {reason}")

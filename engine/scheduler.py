@@ -16,6 +16,7 @@ no cells first shares the longest prefix any holder has cached (see `engine.pref
 """
 
 import heapq
+import os
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -25,7 +26,9 @@ from engine.prefix_cache import BLOCK, PrefixIndex
 from engine.sequence import SeqStatus, Sequence
 
 PREFIX_MIN_TOKENS = BLOCK  # a cached prefix shorter than one index block can never be found: not kept
-PREFILL_TOKENS_WHILE_DECODING = 128  # prefill tokens per tick when some sequence is decoding
+# While n sequences decode, a tick carries at most max(this, n) prefill tokens (the environment may
+# override it, for A/B runs).
+PREFILL_TOKENS_WHILE_DECODING = int(os.environ.get("CELLSERVE_PREFILL_WHILE_DECODING", "16"))
 
 
 @dataclass
@@ -59,10 +62,11 @@ class Scheduler:
         self.prefix = PrefixIndex()
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        # While sequences decode, prefill chunks share a tick with them: a tick's time grows with its
-        # tokens, so a long prefill chunk stalls every stream. Capping the prefill tokens of such a
-        # tick bounds the gap between streamed tokens; the prompt just takes a few more ticks.
-        self.max_prefill_while_decoding = min(PREFILL_TOKENS_WHILE_DECODING, max_num_batched_tokens)
+        # While sequences decode, prefill chunks share a tick with them, and on a CPU a tick's time grows
+        # with its tokens (each costs about what a decode does), so a long prefill chunk stalls every
+        # stream. Capping a tick's prefill tokens at max(this, decoders) keeps it within about twice a
+        # decode-only tick; a prompt takes a few more ticks, which costs no throughput (same tokens).
+        self.prefill_while_decoding = PREFILL_TOKENS_WHILE_DECODING
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.holders: dict[int, Sequence] = {}  # slot -> sequence holding it
@@ -188,8 +192,8 @@ class Scheduler:
         self._step_tokens = 0
         self._preempted_now: set[Sequence] = set()
         budget = self.max_num_batched_tokens
-        decoding = any(s.cache_target() - s.n_cached == 1 for s in self.running)
-        prefill = self.max_prefill_while_decoding if decoding else budget  # tokens left for prefill chunks
+        decoding = sum(1 for s in self.running if s.cache_target() - s.n_cached == 1)
+        prefill = max(self.prefill_while_decoding, decoding) if decoding else budget  # left for prefill chunks
         # Decodes first (1 token each), then unfinished prefills, oldest first.
         for seq in sorted(self.running, key=lambda s: (s.pending > 1, s.admitted_at)):
             if seq.status is not SeqStatus.RUNNING or budget == 0:

@@ -1,4 +1,4 @@
-"""While sequences decode, a tick carries at most `max_prefill_while_decoding` prefill tokens, so a
+"""While n sequences decode, a tick carries at most max(`prefill_while_decoding`, n) prefill tokens, so a
 long prompt cannot stall every stream for one long forward; alone, a prompt gets the whole budget.
 Outputs stay exact either way (the prompt just takes more ticks)."""
 
@@ -19,7 +19,7 @@ def _step_sizes(engine) -> list[int]:
 
 def test_prefill_is_capped_while_decoding_and_whole_when_alone():
     engine = make_engine(n_cells=1024, max_num_batched_tokens=512)
-    engine.scheduler.max_prefill_while_decoding = 32
+    engine.scheduler.prefill_while_decoding = 32
     sizes = _step_sizes(engine)
     a, b = Collector(), Collector()
     pa, pb = prompt(150, 1), prompt(100, 2)

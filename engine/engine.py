@@ -16,7 +16,14 @@ import torch
 
 from engine.detok import IncrementalDetokenizer
 from engine.errors import InvalidRequest, PromptTooLong, QueueFull, SequenceBusy, SequenceNotFound
-from engine.outputs import CompletionOutput, EngineStats, RequestOutput, SequenceInfo, TokenLogprob
+from engine.outputs import (
+    CompletionOutput,
+    EngineStats,
+    PromptLogprobs,
+    RequestOutput,
+    SequenceInfo,
+    TokenLogprob,
+)
 from engine.runner import ModelRunner
 from engine.sampling import Sampler, SamplingParams, check_stop_token, make_generator
 from engine.scheduler import Chunk, Scheduler
@@ -87,18 +94,25 @@ class Engine:
         self._check_tokens(prompt_ids)
         params.check_vocab(self.vocab_size)
         grammar = self._compile_grammar(params) if params.guided is not None and params.max_tokens else None
+        if params.prompt_logprobs is not None and seq is not None:
+            raise InvalidRequest("prompt logprobs need the whole prompt computed; a sequence continuation reuses "
+                                 "its cached history: send the text as a new prompt", "prompt_logprobs")
         self.check_fits([history + len(prompt_ids)], params.max_tokens, params.n)
         self._check_queue()
         # max_tokens 0 asks for no token (SamplingParams' contract): the prompt is cached, nothing sampled.
         req = Request(request_id, list(prompt_ids), params, emit or (lambda out: None),
                       prefill_only=params.max_tokens == 0, detokenize=detokenize)
         req.grammar = grammar
+        if params.prompt_logprobs is not None:  # the first token has no logprob: nothing predicts it
+            req.prompt_logprobs = PromptLogprobs(list(prompt_ids[:1]), [None], [None])
         if seq is None:
             seq = Sequence(_new_id("gen"), list(prompt_ids))
         else:
             seq.token_ids.extend(prompt_ids)
             req.persistent_seq = seq
         self._start(req, seq, 0)
+        if req.prompt_logprobs is not None:
+            seq.lookup_done = True  # no prefix sharing: every prompt row's logits must be computed here
         req.children_pending = params.n - 1
         self.requests[request_id] = req
         self.prompt_tokens += len(prompt_ids)
@@ -177,7 +191,8 @@ class Engine:
         if not chunks:
             return outputs
         sample_chunks = [c for c in chunks if c.completes and c.seq.wants_logits]
-        flat = _flatten(chunks, sample_chunks)
+        prompt_rows = _prompt_rows(chunks)
+        flat = _flatten(chunks, sample_chunks, prompt_rows)
         try:
             logits = self.runner.forward(*flat)
         except Exception as exc:  # one bad step fails its requests, never the engine
@@ -188,6 +203,14 @@ class Engine:
         for c in chunks:
             self.scheduler.set_cached(c.seq, c.seq.n_cached + c.n_tokens)
             c.seq.last_used = time.monotonic()
+        if prompt_rows:  # rows after the sampling ones: prompt logprobs (echo, lm-eval)
+            lp_chunks = [c for c in chunks if id(c) in prompt_rows]
+            try:
+                self._take_prompt_logprobs(lp_chunks, prompt_rows, logits[len(sample_chunks):])
+            except Exception as exc:
+                log.exception("prompt logprobs failed; failing the %d sequences that asked", len(lp_chunks))
+                self._fail_step(lp_chunks, exc, outputs)
+            logits = logits[: len(sample_chunks)]
         if sample_chunks:
             try:
                 self._sample(sample_chunks, logits, outputs)
@@ -243,6 +266,38 @@ class Engine:
         for req, choices in news.items():
             outputs.append(self._emit(req, choices))
 
+    @staticmethod
+    def _take_prompt_logprobs(chunks: list[Chunk], rows: dict[int, int], logits) -> None:
+        """Append the logprobs of the prompt tokens these chunks' rows predict (row p predicts token p+1):
+        one log_softmax, gather and top-k per chunk. Rows already taken (a re-prefill after preemption)
+        are skipped; rows never computed are an error, never a silent gap."""
+        at = 0
+        for c in chunks:
+            k = rows[id(c)]
+            block, at = logits[at : at + k], at + k
+            req = c.seq.request
+            if req is None or req.finished:
+                continue
+            plp = req.prompt_logprobs
+            have = len(plp.logprobs) - 1  # rows taken so far: positions [0, have)
+            if c.start > have:
+                raise RuntimeError(f"prompt logprobs of positions [{have}, {c.start}) were never computed")
+            skip = have - c.start
+            if skip >= k:
+                continue
+            targets = c.seq.token_ids[c.start + skip + 1 : c.start + k + 1]
+            lp = torch.log_softmax(block[skip:].float(), dim=-1)
+            chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
+            n_top = req.params.prompt_logprobs
+            if n_top:
+                top_v, top_i = lp.topk(n_top, dim=-1)
+                tops = [list(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
+            else:
+                tops = [[] for _ in targets]
+            plp.token_ids.extend(targets)
+            plp.logprobs.extend(chosen)
+            plp.top.extend(tops)
+
     def _spawn_children(self, parent: Sequence) -> list[Sequence]:
         """n > 1: the prompt was prefilled once; fork n-1 children that share its cells."""
         req = parent.request
@@ -296,8 +351,12 @@ class Engine:
             req.timing.finished = time.monotonic()
             self.requests.pop(req.request_id, None)
         seq_id = req.persistent_seq.seq_id if req.persistent_seq else None
+        plp = None
+        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            plp, req.prompt_logprobs_sent = req.prompt_logprobs, True
         out = RequestOutput(req.request_id, sorted(choices.values(), key=lambda c: c.index), req.prompt_ids,
-                            finished, seq_id, req.timing, req.num_generated, req.cached_tokens or 0)
+                            finished, seq_id, req.timing, req.num_generated, req.cached_tokens or 0,
+                            prompt_logprobs=plp)
         req.emit(out)
         return out
 
@@ -423,13 +482,31 @@ class Engine:
         return self.cache.free_cells() - before
 
 
-def _flatten(chunks: list[Chunk], sample_chunks: list[Chunk]) -> FlatStep:
-    """The flat step, keeping logits only for the chunks that sample (at least one row: 0 means all)."""
+def _flatten(chunks: list[Chunk], sample_chunks: list[Chunk], prompt_rows: dict[int, int] | None = None) -> FlatStep:
+    """The flat step, keeping logits only for the chunks that sample (at least one row: 0 means all),
+    then, in chunk order, the first `prompt_rows[id(chunk)]` rows of chunks whose prompt logprobs are
+    wanted (one arange per such chunk: a loop over chunks, not tokens)."""
     step = flatten_step({c.seq.slot: (c.token_ids, c.start) for c in chunks})
     sampling = {id(c) for c in sample_chunks}
-    pick = [i for i, c in enumerate(chunks) if id(c) in sampling] or [0]
-    step.logits_indices = step.logits_indices[pick]
+    last = step.logits_indices
+    pick = [i for i, c in enumerate(chunks) if id(c) in sampling]
+    extra = [torch.arange(prompt_rows[id(c)]) + (last[i] - c.n_tokens + 1)
+             for i, c in enumerate(chunks) if prompt_rows and id(c) in prompt_rows]
+    step.logits_indices = torch.cat([last[pick], *extra]) if pick or extra else last[[0]]
     return step
+
+
+def _prompt_rows(chunks: list[Chunk]) -> dict[int, int]:
+    """id(chunk) -> how many of its first rows predict prompt tokens of a request that wants their
+    logprobs (positions up to the prompt's second-to-last token; the last one's row samples)."""
+    out = {}
+    for c in chunks:
+        req = c.seq.request
+        if req is not None and req.prompt_logprobs is not None and c.seq.index == 0:
+            k = min(c.start + c.n_tokens, len(req.prompt_ids) - 1) - c.start
+            if k > 0:
+                out[id(c)] = k
+    return out
 
 
 def _end_unforked(req: Request, choices: dict[int, CompletionOutput]) -> None:

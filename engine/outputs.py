@@ -16,6 +16,17 @@ class TokenLogprob:
 
 
 @dataclass
+class PromptLogprobs:
+    """Logprobs of a request's prompt tokens (echo + logprobs, lm-eval's loglikelihood): entry i is prompt
+    token i; the first token has none (nothing predicts it), so `logprobs[0]` and `top[0]` are None.
+    Kept as parallel lists (filled by whole-chunk tensor ops, no per-token objects in the engine)."""
+
+    token_ids: list[int]
+    logprobs: list[float | None]
+    top: list[list[tuple[int, float]] | None]
+
+
+@dataclass
 class CompletionOutput:
     """One choice of a request (index i of n). Token ids, text and logprobs are deltas."""
 
@@ -47,6 +58,7 @@ class RequestOutput:
     timing: Timing = field(default_factory=Timing)
     num_generated: int = 0  # total generated tokens so far over all choices (for usage)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
+    prompt_logprobs: PromptLogprobs | None = None  # on the request's first output only, when asked for
 
 
 @dataclass

@@ -127,6 +127,7 @@ class SamplingParams:
     logprobs: int | None = None
     n: int = 1
     guided: GuidedDecoding | None = None  # structured output: the text must match this grammar
+    prompt_logprobs: int | None = None  # logprobs of the prompt tokens too (+ this many alternatives each)
 
     def __post_init__(self):
         self.max_tokens = _integer("max_tokens", self.max_tokens, 0, 2**31 - 1)
@@ -148,6 +149,8 @@ class SamplingParams:
         if self.logprobs is not None:
             self.logprobs = _integer("logprobs", self.logprobs, 0, MAX_LOGPROBS)
         self.n = _integer("n", self.n, 1, MAX_N)
+        if self.prompt_logprobs is not None:
+            self.prompt_logprobs = _integer("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
         if self.guided is not None and not isinstance(self.guided, GuidedDecoding):
             raise SamplingError("guided", f"must be a GuidedDecoding, got {type(self.guided).__name__}")
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.outputs import RequestOutput, Timing
+from engine.outputs import PromptLogprobs, RequestOutput, Timing
 from engine.sampling import SamplingParams
 
 
@@ -46,6 +46,7 @@ class Sequence:
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
     admitted_at: float = 0.0  # monotonic order of admission, for "preempt the newest"
+    lookup_done: bool = False  # the prefix cache was consulted since this sequence was last queued
 
     @property
     def pending(self) -> int:
@@ -94,6 +95,8 @@ class Request:
     reported: set[int] = field(default_factory=set)  # choice indices whose finish was emitted
     cached_tokens: int | None = None  # prompt tokens whose cells came from the prefix cache (set at admission)
     grammar: object | None = None  # compiled grammar of a structured-output request (one state per choice)
+    prompt_logprobs: PromptLogprobs | None = None  # filled while the prompt prefills, when asked for
+    prompt_logprobs_sent: bool = False
 
     @property
     def num_generated(self) -> int:

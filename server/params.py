@@ -16,12 +16,13 @@ PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids
 
 
 def sampling_params(fields: SamplingFields, *, max_tokens: int, logprobs: int | None,
-                    guided: dict | None = None) -> Any:
-    """`guided`: an output constraint that overrides the fields' own (tool calls build one)."""
+                    guided: dict | None = None, prompt_logprobs: int | None = None) -> Any:
+    """`guided`: an output constraint that overrides the fields' own (tool calls build one).
+    `prompt_logprobs`: also score the prompt tokens (with this many alternatives each)."""
     from engine.sampling import GuidedDecoding, SamplingParams  # the engine's types; lazily (torch-heavy)
 
     kwargs: dict[str, Any] = {"max_tokens": max_tokens, "n": fields.n, "ignore_eos": fields.ignore_eos,
-                              "logprobs": logprobs}
+                              "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
     for name in PASSTHROUGH:
         value = getattr(fields, name)
         if value is not None:

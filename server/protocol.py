@@ -351,6 +351,7 @@ class SamplingFields(StrictModel):
 
 class CompletionRequest(SamplingFields):
     prompt: list[str | list[int]]
+    max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: score the prompt, generate nothing
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
@@ -364,9 +365,14 @@ class CompletionRequest(SamplingFields):
     def _unsupported(self):
         if self.suffix:
             raise ParamError("suffix", "suffix (insertion) is not supported by this server; leave it unset")
-        if self.echo and self.logprobs is not None:
-            raise ParamError("echo", "echo with logprobs needs prompt logprobs, which this server does not compute")
+        if self.max_tokens == 0 and not self.echo:
+            raise ParamError("max_tokens", "max_tokens 0 generates nothing; it is only allowed with echo=true "
+                             "(to get the prompt back, with its logprobs if logprobs is set)")
         return self
+
+    def prompt_logprobs(self) -> int | None:
+        """echo + logprobs: the prompt tokens' logprobs too (OpenAI's legacy shape; lm-eval loglikelihood)."""
+        return self.logprobs if self.echo else None
 
 
 class ChatCompletionRequest(SamplingFields):

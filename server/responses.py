@@ -62,6 +62,29 @@ def completion_logprobs(lps: list[TokenLogprob], token_str: TokenStr, offset: in
     return {"tokens": tokens, "token_logprobs": values, "top_logprobs": tops, "text_offset": offsets}
 
 
+def prompt_logprobs(plp, token_str: TokenStr) -> dict:
+    """Legacy completions logprobs of the echoed prompt (an `engine.outputs.PromptLogprobs`): the first
+    token's logprob and top_logprobs are null, as OpenAI and vLLM answer."""
+    tokens = [token_str(t) for t in plp.token_ids]
+    tops, offsets, offset = [], [], 0
+    for s, lp, top in zip(tokens, plp.logprobs, plp.top):
+        if top is None:
+            tops.append(None)
+        else:
+            d = {token_str(t): v for t, v in top}
+            d.setdefault(s, lp)
+            tops.append(d)
+        offsets.append(offset)
+        offset += len(s)
+    return {"tokens": tokens, "token_logprobs": list(plp.logprobs), "top_logprobs": tops, "text_offset": offsets}
+
+
+def join_logprobs(first: dict | None, then: dict) -> dict:
+    if first is None:
+        return then
+    return {k: first[k] + then[k] for k in ("tokens", "token_logprobs", "top_logprobs", "text_offset")}
+
+
 def _chat_entry(token_id: int, logprob: float, token_str: TokenStr) -> dict:
     s = token_str(token_id)
     return {"token": s, "logprob": logprob, "bytes": list(s.encode("utf-8"))}
@@ -81,8 +104,9 @@ def completion_response(rid: str, created: int, model: str, choices: list[dict],
             "choices": choices, "usage": use, "system_fingerprint": None}
 
 
-def completion_choice(c: ChoiceState, token_str: TokenStr, want_logprobs: bool) -> dict:
-    lp = completion_logprobs(c.logprobs, token_str, len(c.prefix)) if want_logprobs else None
+def completion_choice(c: ChoiceState, token_str: TokenStr, want_logprobs: bool, prompt_lp: dict | None = None) -> dict:
+    """`prompt_lp`: the echoed prompt's logprobs (`prompt_logprobs`), put before the generated ones."""
+    lp = join_logprobs(prompt_lp, completion_logprobs(c.logprobs, token_str, len(c.prefix))) if want_logprobs else None
     return {"index": c.index, "text": c.prefix + c.text, "logprobs": lp, "finish_reason": c.finish_reason,
             "stop_reason": c.stop_reason}
 

@@ -39,6 +39,7 @@ class Formatter:
         self.created = R.now()
         self.extra = extra or {}
         self.cached: dict[int, int] = {}  # prompt index -> its cached prompt tokens
+        self.prompt_lps: dict[int, dict] = {}  # prompt index -> its echoed prompt's logprobs
         self.states = {
             (k, i): R.ChoiceState(index=k * n + i, prompt_index=k, prefix=(prefixes or [""] * len(run.prompts))[k])
             for k in range(len(run.prompts)) for i in range(n)
@@ -61,13 +62,16 @@ class Formatter:
     def note(self, k: int, out: RequestOutput) -> None:
         """Per-request facts carried by every output (prompt tokens served from the prefix cache)."""
         self.cached[k] = out.cached_tokens
+        if out.prompt_logprobs is not None:  # echo + logprobs: the prompt's, once per prompt
+            self.prompt_lps[k] = R.prompt_logprobs(out.prompt_logprobs, self.ctx.tokens.token_str)
 
     def ordered(self) -> list[R.ChoiceState]:
         return sorted(self.states.values(), key=lambda s: s.index)
 
     # completions shapes (ChatFormatter overrides)
     def final(self) -> dict:
-        choices = [R.completion_choice(s, self.ctx.tokens.token_str, self.want_logprobs) for s in self.ordered()]
+        choices = [R.completion_choice(s, self.ctx.tokens.token_str, self.want_logprobs,
+                                       self.prompt_lps.get(s.prompt_index)) for s in self.ordered()]
         body = R.completion_response(self.run.request_id, self.created, self.ctx.model_name, choices, self.usage())
         return {**body, **self.extra}
 
@@ -79,6 +83,8 @@ class Formatter:
         if self.want_logprobs:
             lp = R.completion_logprobs(co.logprobs or [], self.ctx.tokens.token_str, len(st.prefix) + st.lp_chars)
             st.lp_chars += sum(len(t) for t in lp["tokens"])
+            if first:
+                lp = R.join_logprobs(self.prompt_lps.get(st.prompt_index), lp)
         text = (st.prefix if first else "") + co.text
         choice = {"index": st.index, "text": text, "logprobs": lp, "finish_reason": co.finish_reason,
                   "stop_reason": co.stop_reason}

@@ -84,7 +84,8 @@ def test_logit_bias_keys_become_token_ids():
 def test_cross_field_errors_name_their_param():
     assert as_400(CompletionRequest, {"prompt": "x", "stream_options": {"include_usage": True}}).param == \
         "stream_options"
-    assert as_400(CompletionRequest, {"prompt": "x", "echo": True, "logprobs": 2}).param == "echo"
+    assert CompletionRequest.model_validate({"prompt": "x", "echo": True, "logprobs": 2, "max_tokens": 0})
+    assert as_400(CompletionRequest, {"prompt": "x", "max_tokens": 0}).param == "max_tokens"
     assert as_400(ChatCompletionRequest, {"messages": [{"role": "user", "content": "x"}],
                                           "top_logprobs": 2}).param == "top_logprobs"
     assert as_400(SequenceCompletionRequest, {"n": 2}).param == "n"

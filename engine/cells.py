@@ -207,13 +207,14 @@ class CellCache(Cache):
         self._n_used -= plan.cells.numel()
         self._shrink_read_len()
 
-    def seq_cp(self, src: int, dst: int, upto: int | None = None) -> None:
-        """Fork: `dst` also owns `src`'s cells with position < `upto` (all if None). Copies no K/V."""
+    def seq_cp(self, src: int, dst: int, upto: int | None = None, start: int = 0) -> None:
+        """Fork: `dst` also owns `src`'s cells with `start` <= position < `upto` (to the end if None).
+        Copies no K/V. `dst` must not hold cells of those positions already."""
         self._check_between_steps("seq_cp")
         self._check_slot(src, "src")
         self._check_slot(dst, "dst")
         r = self.read_len
-        sel = self.owner[src, :r] & self._pos_range(0, upto)
+        sel = self.owner[src, :r] & self._pos_range(start, upto)
         new = sel & ~self.owner[dst, :r]
         self.owner[dst, :r] |= new
         self.n_owners[:r] += new.to(torch.int32)

@@ -142,6 +142,22 @@ def test_persistent_sequences_and_forks_are_holders_too(model):
     assert engine.free_cells() == 512
 
 
+def test_a_continued_sequence_gains_what_another_holder_has_past_its_cells(model):
+    """Two branches of one conversation get the same long user turn: the second branch shares the
+    first one's cells for that turn instead of prefilling it."""
+    engine = make_engine(model=model, n_cells=512)
+    trunk, _ = engine.create_sequence(SYSTEM[:20])
+    drain(engine)
+    branch = engine.fork(trunk.seq_id)
+    turn = prompt(37, seed=11)
+    first = run(engine, "t1", turn, greedy(3), seq_id=trunk.seq_id)
+    second = run(engine, "t2", turn, greedy(3), seq_id=branch.seq_id)
+    assert cached_of(first) == 0 and cached_of(second) == len(turn) - 1
+    history = SYSTEM[:20] + turn
+    assert first.tokens[0] == second.tokens[0] == greedy_oracle(model, history, 3)
+    check_cells_match_sequences(engine)
+
+
 # ----- eviction and preemption -------------------------------------------------------------------
 def test_cached_prefixes_are_evicted_before_idle_sequences(model):
     engine = make_engine(model=model, n_cells=128)

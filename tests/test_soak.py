@@ -29,6 +29,7 @@ Timings are printed, never asserted.
 """
 
 import asyncio
+import json
 import random
 import time
 from collections import Counter
@@ -37,13 +38,26 @@ from dataclasses import dataclass
 import httpx
 import pytest
 from http_support import Greedy, model_dir  # noqa: F401
-from soak_support import ServerProcess, Soak, read_events, streamed_text
+from soak_support import (
+    ServerProcess,
+    Soak,
+    hang_up,
+    json_head,
+    parse_raw,
+    raw_exchange,
+    raw_head,
+    read_events,
+    streamed_text,
+)
 
 PROMPTS = ["ROMEO: But soft", "JULIET: O Romeo", "The quick brown fox", "Naïve café 日本語 🎉"]
 GREEDY_TOKENS = 12  # every greedy request: temperature 0, ignore_eos, this many tokens
 LONG_TOKENS = 460  # streams meant to be cancelled or dropped mid-way (prompt + this fits the 512 context)
 N_CELLS, MAX_QUEUE, MAX_NUM_SEQS = 768, 16, 32
 RSS_GROWTH_MB = 50.0
+MAX_BODY_BYTES = 256 * 1024  # --max-body-bytes: small, so the over-the-limit bodies are cheap to send
+HANG_UP_S = 0.05  # early disconnects close the socket 0-50 ms after the request was sent
+REJECTED_REPEATS = 6  # each rejected request, this many times, in the RSS check after the rounds
 PREEMPTIONS_PER_BURST = 8  # the blockers are released only after this many preemptions
 POLL_S = 15.0  # how long a round may take to settle (cells back, nothing running); shared CPUs
 
@@ -56,7 +70,7 @@ class Profile:
     burst: int  # requests sent into the full queue
 
 
-MIX = {  # operations per round at scale 1 (56)
+MIX = {  # operations per round at scale 1 (71)
     "greedy-cmpl": 5,
     "greedy-cmpl-stream": 4,
     "greedy-chat": 3,
@@ -72,6 +86,12 @@ MIX = {  # operations per round at scale 1 (56)
     "disconnect-n3": 2,
     "disconnect-wait": 2,
     "bad": 9,
+    "hostile": 4,
+    "body-too-large": 2,
+    "hang-up-cmpl": 2,
+    "hang-up-cmpl-stream": 2,
+    "hang-up-chat": 2,
+    "hang-up-create": 3,
 }
 
 
@@ -348,6 +368,146 @@ async def op_bad(s: Soak) -> None:
         await s.request(f"bad: {what}", method, path, expect=(status,), retry_429=False, **kw)
 
 
+# ----- hostile requests (issue #16): refused before any work, whatever runs at the same time -----
+def surrogate_body(template: str) -> dict:
+    """`template` as a JSON body, its @ replaced by a string of lone surrogate escapes (valid JSON, not
+    valid Unicode)."""
+    return {"content": template.replace("@", '"\\ud800 x \\udfff"').encode(),
+            "headers": {"content-type": "application/json"}}
+
+
+FAR_BEYOND_CONTEXT = "abcd " * 40_000  # 200 KB, under --max-body-bytes; ~3000x what the context can hold
+HOSTILE = [  # (what, method, path, request kwargs, status, error code or None, param or None)
+    ("prompt of lone surrogates", "POST", "/v1/completions",
+     surrogate_body('{"prompt": @, "max_tokens": 4}'), 400, None, "prompt"),
+    ("chat content of lone surrogates", "POST", "/v1/chat/completions",
+     surrogate_body('{"messages": [{"role": "user", "content": @}]}'), 400, None,
+     "messages[0].content"),
+    ("sequence prompt of lone surrogates", "POST", "/v1/sequences",
+     surrogate_body('{"prompt": @}'), 400, None, "prompt"),
+    ("too many prompts (--max-prompts 256)", "POST", "/v1/completions",
+     {"json": {"prompt": ["a"] * 257, "max_tokens": 1}}, 400, "too_many_prompts", "prompt"),
+    ("prompts x n beyond --max-choices 1024", "POST", "/v1/completions",
+     {"json": {"prompt": ["a"] * 64, "n": 17, "max_tokens": 1}}, 400, "too_many_choices", "n"),
+    ("4 prompts x n=64 beyond the pool", "POST", "/v1/completions",
+     {"json": {"prompt": ["a", "b", "c", "d"], "n": 64, "max_tokens": 100}}, 400, "context_length_exceeded",
+     None),
+    ("17 stop strings", "POST", "/v1/completions",
+     {"json": {"prompt": "x", "stop": [f"s{k}" for k in range(17)]}}, 400, None, "stop"),
+    ("a stop string of 257 characters", "POST", "/v1/chat/completions",
+     {"json": {"messages": [{"role": "user", "content": "x"}], "stop": "s" * 257}}, 400, None, "stop"),
+    ("200 KB of text far beyond the context", "POST", "/v1/completions",
+     {"json": {"prompt": FAR_BEYOND_CONTEXT}}, 400, "context_length_exceeded", "prompt"),
+    ("200 KB of chat text far beyond the context", "POST", "/v1/chat/completions",
+     {"json": {"messages": [{"role": "user", "content": FAR_BEYOND_CONTEXT}]}}, 400, "context_length_exceeded",
+     "messages"),
+]
+
+
+async def hostile_request(s: Soak, entry: tuple) -> None:
+    """One HOSTILE entry: its exact status, error code and param; text beyond the context must be
+    refused by the character count, i.e. before it was tokenized."""
+    what, method, path, kw, status, code, param = entry
+    resp = await s.request(f"hostile: {what}", method, path, expect=(status,), retry_429=False, **kw)
+    err = resp.json()["error"]
+    assert code is None or err["code"] == code, f"{what}: code {err['code']!r}, want {code!r}"
+    assert param is None or err["param"] == param, f"{what}: param {err['param']!r}, want {param!r}"
+    if "200 KB" in what:
+        assert "non-whitespace characters" in err["message"], f"{what}: tokenized first? {err['message']}"
+
+
+async def op_hostile(s: Soak) -> None:
+    for entry in s.rng.sample(HOSTILE, 3):
+        await hostile_request(s, entry)
+    await s.request("hostile: HEAD /health", "HEAD", "/health", retry_429=False)
+
+
+def port_of(s: Soak) -> int:
+    return int(s.url.rsplit(":", 1)[1])
+
+
+async def body_too_large(s: Soak, how: str) -> None:
+    """A body over --max-body-bytes is a 413 `body_too_large` before the server reads it: declared by
+    Content-Length (here 20 MiB, of which nothing is sent: the answer comes anyway), or sent chunked
+    without a length (refused as soon as the bytes received pass the limit)."""
+    port, limit = port_of(s), MAX_BODY_BYTES
+    if how == "declared":
+        head = raw_head("POST", "/v1/completions", port,
+                        {"Content-Type": "application/json", "Content-Length": str(20 * 2**20)})
+        resp = await raw_exchange(port, head)
+    else:
+        head = raw_head("POST", "/v1/chat/completions", port,
+                        {"Content-Type": "application/json", "Transfer-Encoding": "chunked"})
+        size = 32 * 1024
+        parts = [b"%x\r\n" % size + b"a" * size + b"\r\n" for _ in range(limit // size)]
+        parts.append(b"1\r\na")  # one byte past the limit; nothing after it, so nothing is left unread
+        resp = await raw_exchange(port, head, parts)
+    s.record(f"body-too-large ({how})", resp, resp.content)
+    assert resp.status_code == 413, f"{how}: {resp.status_code} {resp.content[:200]!r}"
+    assert resp.json()["error"]["code"] == "body_too_large", resp.content[:300]
+
+
+async def op_body_too_large(s: Soak) -> None:
+    await body_too_large(s, s.rng.choice(["declared", "chunked"]))
+
+
+async def op_hang_up(s: Soak, kind: str) -> None:
+    """A POST whose client closes the socket 0-50 ms after sending it (fully, or only its sending side,
+    which lets it read what the server answered before it noticed). Nothing to check here but the
+    status of whatever came back; the round's checks (no 5xx counted by the server, cells back to the
+    baseline, no sequence left) are what such a client must not break."""
+    port, i = port_of(s), s.rng.randrange(len(PROMPTS))
+    path, body = greedy_request(i, chat=kind == "chat")
+    body = {**body, "max_tokens": LONG_TOKENS, "stream": kind == "cmpl-stream"}
+    raw = json.dumps(body).encode()
+    data = await hang_up(port, json_head("POST", path, port, raw) + raw, s.rng.uniform(0, HANG_UP_S),
+                         half_close=s.rng.random() < 0.5)
+    resp = parse_raw(data)
+    if resp is None:
+        s.statuses[(f"hang-up-{kind}", "nothing back")] += 1
+    else:
+        s.record(f"hang-up-{kind}", resp, None if resp.status_code == 200 else resp.content)
+
+
+HANG_UP_MARK = "hang-up create "
+
+
+async def op_hang_up_create(s: Soak) -> None:
+    """POST /v1/sequences whose client half-closes 0-50 ms after sending. If it got the answer it owns
+    the sequence and deletes it; if not, the create must have been rolled back. The server cannot know
+    whether an answer it wrote got through, so a sequence created an instant before the hang-up was
+    noticed may stay: `reap_hang_up_orphans` removes those (they carry HANG_UP_MARK) and counts them,
+    and the test bounds their number by the creates that got no answer."""
+    port = port_of(s)
+    raw = json.dumps({"prompt": HANG_UP_MARK + s.rng.choice(PROMPTS)}).encode()
+    data = await hang_up(port, json_head("POST", "/v1/sequences", port, raw) + raw, s.rng.uniform(0, HANG_UP_S),
+                         half_close=True)
+    resp = parse_raw(data)
+    try:
+        seq_id = resp.json()["id"] if resp is not None and resp.status_code == 200 else None
+    except ValueError:  # cut mid-body
+        seq_id = None
+    if resp is not None:
+        s.record("hang-up-create", resp, None if resp.status_code == 200 else resp.content)
+    if seq_id is None:
+        s.statuses[("hang-up-create", "no answer")] += 1
+        return
+    s.statuses[("hang-up-create", "answered")] += 1
+    await s.request("seq-delete", "DELETE", f"/v1/sequences/{seq_id}")
+
+
+async def reap_hang_up_orphans(s: Soak) -> int:
+    """After the storm (every other operation deleted its sequences): any sequence left must be a
+    hang-up create answered into a closed socket; delete them and return how many."""
+    orphans = (await s.request("seq-list", "GET", "/v1/sequences")).json()["data"]
+    for seq in orphans:
+        text = (await s.request("seq-get", "GET", f"/v1/sequences/{seq['id']}")).json()["text"]
+        assert HANG_UP_MARK in text, f"sequence {seq['id']} left behind by the storm: {text[:80]!r}"
+        await s.request("seq-delete", "DELETE", f"/v1/sequences/{seq['id']}")
+    s.statuses[("hang-up-create", "orphaned")] += len(orphans)
+    return len(orphans)
+
+
 # ----- the sequence scenario -----------------------------------------------------------------
 async def seq_continue(s: Soak, seq_id: str, i: int, stream: bool) -> None:
     """A greedy continuation of a fresh (or rewound) sequence equals the solo reference."""
@@ -502,6 +662,12 @@ OPS = {
     "disconnect-n3": op_disconnect_n,
     "greedy-multi": op_greedy_multi,
     "bad": op_bad,
+    "hostile": op_hostile,
+    "body-too-large": op_body_too_large,
+    "hang-up-cmpl": lambda s: op_hang_up(s, "cmpl"),
+    "hang-up-cmpl-stream": lambda s: op_hang_up(s, "cmpl-stream"),
+    "hang-up-chat": lambda s: op_hang_up(s, "chat"),
+    "hang-up-create": op_hang_up_create,
 }
 
 
@@ -623,19 +789,24 @@ async def wait_preemptions(s: Soak, at_least: int) -> dict:
         await asyncio.sleep(0.05)
 
 
+def live_cells(cache_body: dict) -> dict:
+    """The pool as requests see it: cells held only by cached prefixes count as free (evicted on demand)."""
+    return {k: cache_body["cells"][k] for k in ("total", "used", "free")}
+
+
 async def settle(s: Soak, baseline: dict, when: str) -> dict:
     """Poll until nothing runs or waits and the cells are back to `baseline` (or POLL_S passed); assert
     it, and no sequence is left; return the last /v1/cache body. The wait is printed."""
     t0 = time.monotonic()
     while True:
         body = (await s.request("cache", "GET", "/v1/cache")).json()
-        settled = body["requests"] == {"running": 0, "waiting": 0} and body["cells"] == baseline
+        settled = body["requests"] == {"running": 0, "waiting": 0} and live_cells(body) == baseline
         if settled or time.monotonic() - t0 > POLL_S:
             break
         await asyncio.sleep(0.05)
     print(f"  {when}: settled in {time.monotonic() - t0:.2f}s, {body['preemptions']} preemptions so far")
     assert body["requests"] == {"running": 0, "waiting": 0}, f"{when}: {body['requests']}"
-    assert body["cells"] == baseline, f"{when}: cells {body['cells']} != baseline {baseline} (leak)"
+    assert live_cells(body) == baseline, f"{when}: cells {body['cells']} != baseline {baseline} (leak)"
     assert body["sequences"] == [], f"{when}: sequences left: {[q['id'] for q in body['sequences']]}"
     return body
 
@@ -649,6 +820,7 @@ async def run_round(srv: ServerProcess, profile: Profile, refs: dict, baseline: 
         assert not failures, f"round {r}: {len(failures)} operations failed:\n" + "\n".join(
             failures + s.problems
         )
+        await reap_hang_up_orphans(s)
         await settle(s, baseline, f"round {r} storm")
         statuses = await burst(s, srv, profile.burst)
         assert 429 in statuses, f"round {r}: no blocker refused, yet they cannot all fit: {statuses}"
@@ -693,6 +865,37 @@ def check_round(srv: ServerProcess, s: Soak, loading_503: dict, r: int) -> float
     return rss
 
 
+async def rejected_batch(srv: ServerProcess, refs: dict, baseline: dict) -> tuple[float, float]:
+    """Every HOSTILE request and both over-the-limit bodies, REJECTED_REPEATS times each, 8 at a time, on
+    the quiet server after the rounds. Each gets its exact refusal; none of them runs: the preemption
+    count does not move (4 prompts x n=64 would need more cells than the pool) and the cells return to
+    the baseline. Returns the server's RSS (MiB) before and after."""
+    s = Soak(srv.url, random.Random(7), refs)
+    try:
+        before = await settle(s, baseline, "before the rejected requests")
+        rss_before = srv.rss_mb()
+        jobs = [lambda e=e: hostile_request(s, e) for e in HOSTILE]
+        jobs += [lambda how=how: body_too_large(s, how) for how in ("declared", "chunked")]
+        jobs = jobs * REJECTED_REPEATS
+        sem = asyncio.Semaphore(8)
+
+        async def run(job) -> None:
+            async with sem:
+                await job()
+
+        t0 = time.monotonic()
+        await asyncio.gather(*(run(job) for job in jobs))
+        elapsed = time.monotonic() - t0
+        after = await settle(s, baseline, "after the rejected requests")
+        assert not s.problems, "\n".join(s.problems)
+        assert after["preemptions"] == before["preemptions"], "a refused request preempted others"
+        rss_after = srv.rss_mb()
+    finally:
+        await s.aclose()
+    print(f"rejected requests: {len(jobs)} answered in {elapsed:.2f}s; RSS {rss_before:.1f} -> {rss_after:.1f} MiB")
+    return rss_before, rss_after
+
+
 async def settle_once(url: str, refs: dict, baseline: dict) -> None:
     s = Soak(url, random.Random(0), refs)
     try:
@@ -722,7 +925,8 @@ def make_server(model_dir, tmp_path):  # noqa: F811
 
     def make() -> ServerProcess:
         srv = ServerProcess(
-            model_dir, tmp_path / "serve.log", n_cells=N_CELLS, max_queue=MAX_QUEUE, max_num_seqs=MAX_NUM_SEQS
+            model_dir, tmp_path / "serve.log", n_cells=N_CELLS, max_queue=MAX_QUEUE, max_num_seqs=MAX_NUM_SEQS,
+            max_body_bytes=MAX_BODY_BYTES,
         )
         started.append(srv)
         srv.start()
@@ -746,22 +950,27 @@ def test_soak(profile: Profile, make_server, model_dir):  # noqa: F811
     t0 = time.monotonic()
     srv = make_server()
     with httpx.Client(base_url=srv.url, timeout=30) as c:
-        baseline = c.get("/v1/cache").raise_for_status().json()["cells"]
+        baseline = live_cells(c.get("/v1/cache").raise_for_status().json())
     loading_503 = server_5xx(srv.url)
     assert set(loading_503) <= {"503"}
     refs = solo_references(srv.url, model_dir)
     asyncio.run(settle_once(srv.url, refs, baseline))
     print(f"\nserver up and references checked in {time.monotonic() - t0:.1f}s; baseline cells {baseline}")
-    rss = []
+    rss, hang_ups = [], Counter()
     for r in range(profile.rounds):
         s = asyncio.run(run_round(srv, profile, refs, baseline, r))
         rss.append(check_round(srv, s, loading_503, r))
+        hang_ups.update({k[1]: n for k, n in s.statuses.items() if k[0] == "hang-up-create"})
+    # Without the roll-back every create that got no answer would leave its sequence behind.
+    assert hang_ups["orphaned"] <= hang_ups["no answer"] // 2, f"creates whose client left were kept: {hang_ups}"
     growth = rss[-1] - rss[0]
     print(
         f"RSS (MiB) after each round: {[round(x, 1) for x in rss]}; growth after the warm-up round "
         f"{growth:+.1f} MiB (max {max(rss) - rss[0]:+.1f}), bound {RSS_GROWTH_MB} MiB"
     )
     assert growth < RSS_GROWTH_MB
+    rss_before, rss_after = asyncio.run(rejected_batch(srv, refs, baseline))
+    assert rss_after - rss_before < RSS_GROWTH_MB, f"RSS {rss_before:.1f} -> {rss_after:.1f} MiB"
     _, finish = streamed_text(asyncio.run(drain_on_sigterm(srv)), chat=False)
     assert finish == "length"  # the in-flight stream was finished, not cut
     assert srv.proc.wait(60) == 0, srv.log_tail()

@@ -38,11 +38,12 @@ def free_port() -> int:
 class ServerProcess:
     """`cellserve serve` as a child process on 127.0.0.1; `kill()` is safe to call in any state."""
 
-    def __init__(self, model_dir: str, log_path: Path, *, n_cells: int, max_queue: int, max_num_seqs: int):
+    def __init__(self, model_dir: str, log_path: Path, *, n_cells: int, max_queue: int, max_num_seqs: int,
+                 max_body_bytes: int):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self.max_queue, self.max_num_seqs = max_queue, max_num_seqs
+        self.max_queue, self.max_num_seqs, self.max_body_bytes = max_queue, max_num_seqs, max_body_bytes
         self.cmd = [
             sys.executable,
             "-m",
@@ -58,6 +59,8 @@ class ServerProcess:
             str(max_queue),
             "--max-num-seqs",
             str(max_num_seqs),
+            "--max-body-bytes",
+            str(max_body_bytes),
             "--threads",
             "1",
             "--shutdown-grace",
@@ -146,6 +149,78 @@ async def read_events(lines: AsyncIterator[str], limit: int | None = None) -> li
             if limit is not None and len(events) >= limit:
                 break
     return events
+
+
+# ----- raw HTTP/1.1 over a socket: what httpx cannot do (hang up mid-request, withhold a body) -----
+def raw_head(method: str, path: str, port: int, headers: dict[str, str]) -> bytes:
+    lines = [f"{method} {path} HTTP/1.1", f"Host: 127.0.0.1:{port}", *(f"{k}: {v}" for k, v in headers.items())]
+    return ("\r\n".join(lines) + "\r\n\r\n").encode()
+
+
+def json_head(method: str, path: str, port: int, body: bytes) -> bytes:
+    return raw_head(method, path, port, {"Content-Type": "application/json", "Content-Length": str(len(body))})
+
+
+async def read_raw_response(reader: asyncio.StreamReader) -> httpx.Response | None:
+    """The next response on the socket (Content-Length framed), or None if the server closed first."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError:
+        return None
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    headers = [tuple(h.split(": ", 1)) for h in header_lines if h]
+    length = next((int(v) for k, v in headers if k.lower() == "content-length"), None)
+    body = await (reader.readexactly(length) if length is not None else reader.read())
+    return httpx.Response(int(status_line.split()[1]), headers=headers, content=body)
+
+
+async def raw_exchange(port: int, head: bytes, parts: list[bytes] = (), timeout: float = 60) -> httpx.Response:
+    """Send `head` then each of `parts` (waiting until each is written), then read the response.
+
+    Nothing more is written after the last part, so a server that answers before reading the whole
+    body (a 413) has read everything it was sent and closes cleanly instead of resetting."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(head)
+        await writer.drain()
+        for part in parts:
+            await asyncio.sleep(0.001)  # let the server read each part as it comes
+            writer.write(part)
+            await writer.drain()
+        resp = await asyncio.wait_for(read_raw_response(reader), timeout)
+        assert resp is not None, "the server closed the connection without answering"
+        return resp
+    finally:
+        writer.close()
+
+
+async def hang_up(port: int, request: bytes, delay: float, half_close: bool, timeout: float = 60) -> bytes:
+    """Send a whole request, wait `delay` seconds, then close the socket: fully (what the server has not
+    sent yet is lost) or only its sending side (the server sees the same disconnect, and whatever it
+    had answered before it noticed can still be read here). Returns the bytes read (b"" on a full close)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(request)
+        await writer.drain()
+        await asyncio.sleep(delay)
+        if not half_close:
+            return b""
+        writer.write_eof()
+        return await asyncio.wait_for(reader.read(), timeout)
+    finally:
+        writer.close()
+
+
+def parse_raw(data: bytes) -> httpx.Response | None:
+    """The response in bytes read by `hang_up`, or None if not even its head arrived. Its body is what
+    arrived (cut at Content-Length): possibly partial, e.g. a stream cut by the hang-up."""
+    head, sep, body = data.partition(b"\r\n\r\n")
+    if not sep:
+        return None
+    status_line, *header_lines = head.decode("latin-1").split("\r\n")
+    headers = [tuple(h.split(": ", 1)) for h in header_lines if h]
+    length = next((int(v) for k, v in headers if k.lower() == "content-length"), None)
+    return httpx.Response(int(status_line.split()[1]), headers=headers, content=body[:length])
 
 
 class Soak:

@@ -287,7 +287,9 @@ class Engine:
                 continue
             targets = c.seq.token_ids[c.start + skip + 1 : c.start + k + 1]
             lp = torch.log_softmax(block[skip:].float(), dim=-1)
-            chosen = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])[:, 0].tolist()
+            chosen_t = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])
+            ranks = ((lp > chosen_t).sum(dim=-1) + 1).tolist()
+            chosen = chosen_t[:, 0].tolist()
             n_top = req.params.prompt_logprobs
             if n_top:
                 top_v, top_i = lp.topk(n_top, dim=-1)
@@ -297,6 +299,7 @@ class Engine:
             plp.token_ids.extend(targets)
             plp.logprobs.extend(chosen)
             plp.top.extend(tops)
+            plp.ranks.extend(ranks)
 
     def _spawn_children(self, parent: Sequence) -> list[Sequence]:
         """n > 1: the prompt was prefilled once; fork n-1 children that share its cells."""

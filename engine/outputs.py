@@ -24,6 +24,7 @@ class PromptLogprobs:
     token_ids: list[int]
     logprobs: list[float | None]
     top: list[list[tuple[int, float]] | None]
+    ranks: list[int | None] = field(default_factory=lambda: [None])  # 1 = the model's most likely token
 
 
 @dataclass

@@ -15,7 +15,7 @@ Responses are plain dicts built in `server.responses`, in OpenAI's exact shapes.
 """
 
 import json
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
@@ -246,11 +246,13 @@ class ResponseFormat(StrictModel):
 class SamplingFields(StrictModel):
     """Sampling fields shared by completions, chat and sequence completions (OpenAI + vLLM extras)."""
 
+    unsupported: ClassVar[dict[str, tuple]] = UNSUPPORTED
+
     @model_validator(mode="before")
     @classmethod
     def _unsupported_fields(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            _reject_unsupported(data, UNSUPPORTED)
+            _reject_unsupported(data, cls.unsupported)
         return data
 
     model: str | None = None
@@ -350,9 +352,12 @@ class SamplingFields(StrictModel):
 
 
 class CompletionRequest(SamplingFields):
+    unsupported: ClassVar[dict[str, tuple]] = {k: v for k, v in UNSUPPORTED.items() if k != "prompt_logprobs"}
+
     prompt: list[str | list[int]]
     max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: score the prompt, generate nothing
     echo: bool = False
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's: per-choice `prompt_logprobs`
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
 
@@ -370,9 +375,11 @@ class CompletionRequest(SamplingFields):
                              "(to get the prompt back, with its logprobs if logprobs is set)")
         return self
 
-    def prompt_logprobs(self) -> int | None:
-        """echo + logprobs: the prompt tokens' logprobs too (OpenAI's legacy shape; lm-eval loglikelihood)."""
-        return self.logprobs if self.echo else None
+    def prompt_logprobs_k(self) -> int | None:
+        """How many alternatives per prompt token to compute: echo + logprobs (OpenAI's legacy shape,
+        lm-eval's loglikelihood) and/or vLLM's `prompt_logprobs`; None when neither asks."""
+        asks = [k for k in (self.logprobs if self.echo else None, self.prompt_logprobs) if k is not None]
+        return max(asks) if asks else None
 
 
 class ChatCompletionRequest(SamplingFields):

@@ -79,6 +79,21 @@ def prompt_logprobs(plp, token_str: TokenStr) -> dict:
     return {"tokens": tokens, "token_logprobs": list(plp.logprobs), "top_logprobs": tops, "text_offset": offsets}
 
 
+def vllm_prompt_logprobs(plp, token_str: TokenStr, k: int) -> list[dict | None]:
+    """vLLM's `prompt_logprobs`: per prompt token, None for the first, else {token id (as a string):
+    {logprob, rank, decoded_token}} holding the prompt token and the k most likely ones."""
+    out: list[dict | None] = []
+    for tok, lp, rank, top in zip(plp.token_ids, plp.logprobs, plp.ranks, plp.top):
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {str(t): {"logprob": v, "rank": r, "decoded_token": token_str(t)}
+                 for r, (t, v) in enumerate(top[:k], start=1)}
+        entry.setdefault(str(tok), {"logprob": lp, "rank": rank, "decoded_token": token_str(tok)})
+        out.append(entry)
+    return out
+
+
 def join_logprobs(first: dict | None, then: dict) -> dict:
     if first is None:
         return then

@@ -39,10 +39,10 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
     engine.check_fits([len(p) for p in prompts], max_tokens, body.n)
     params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs,
-                             prompt_logprobs=body.prompt_logprobs())
+                             prompt_logprobs=body.prompt_logprobs_k())
     run = GenerationRun(engine, new_id("cmpl"), prompts, params, metrics=ctx.metrics)
     fmt = Formatter(ctx, run, n=body.n, want_logprobs=body.logprobs is not None,
-                    include_usage=body.include_usage(), prefixes=prefixes)
+                    include_usage=body.include_usage(), prefixes=prefixes, vllm_prompt_logprobs=body.prompt_logprobs)
     return await serve(request, ctx, run, fmt, stream=body.stream)
 
 

@@ -32,14 +32,19 @@ class Formatter:
     chunk_object = "text_completion"
 
     def __init__(self, ctx: ServerContext, run: GenerationRun, *, n: int, want_logprobs: bool,
-                 include_usage: bool = False, prefixes: list[str] | None = None, extra: dict | None = None):
+                 include_usage: bool = False, prefixes: list[str] | None = None, extra: dict | None = None,
+                 vllm_prompt_logprobs: int | None = None):
+        """`vllm_prompt_logprobs`: add vLLM's per-choice `prompt_logprobs` (k alternatives per token)."""
         self.ctx, self.run = ctx, run
         self.want_logprobs = want_logprobs
         self.include_usage = include_usage
         self.created = R.now()
         self.extra = extra or {}
+        self.echo = prefixes is not None
         self.cached: dict[int, int] = {}  # prompt index -> its cached prompt tokens
         self.prompt_lps: dict[int, dict] = {}  # prompt index -> its echoed prompt's logprobs
+        self.vllm_k = vllm_prompt_logprobs
+        self.vllm_lps: dict[int, list] = {}  # prompt index -> vLLM-shaped prompt_logprobs
         self.states = {
             (k, i): R.ChoiceState(index=k * n + i, prompt_index=k, prefix=(prefixes or [""] * len(run.prompts))[k])
             for k in range(len(run.prompts)) for i in range(n)
@@ -62,8 +67,12 @@ class Formatter:
     def note(self, k: int, out: RequestOutput) -> None:
         """Per-request facts carried by every output (prompt tokens served from the prefix cache)."""
         self.cached[k] = out.cached_tokens
-        if out.prompt_logprobs is not None:  # echo + logprobs: the prompt's, once per prompt
-            self.prompt_lps[k] = R.prompt_logprobs(out.prompt_logprobs, self.ctx.tokens.token_str)
+        plp = out.prompt_logprobs
+        if plp is not None:  # once per prompt
+            if self.want_logprobs and self.echo:
+                self.prompt_lps[k] = R.prompt_logprobs(plp, self.ctx.tokens.token_str)
+            if self.vllm_k is not None:
+                self.vllm_lps[k] = R.vllm_prompt_logprobs(plp, self.ctx.tokens.token_str, self.vllm_k)
 
     def ordered(self) -> list[R.ChoiceState]:
         return sorted(self.states.values(), key=lambda s: s.index)
@@ -72,6 +81,9 @@ class Formatter:
     def final(self) -> dict:
         choices = [R.completion_choice(s, self.ctx.tokens.token_str, self.want_logprobs,
                                        self.prompt_lps.get(s.prompt_index)) for s in self.ordered()]
+        if self.vllm_k is not None:
+            for choice, s in zip(choices, self.ordered()):
+                choice["prompt_logprobs"] = self.vllm_lps.get(s.prompt_index)
         body = R.completion_response(self.run.request_id, self.created, self.ctx.model_name, choices, self.usage())
         return {**body, **self.extra}
 
@@ -88,6 +100,8 @@ class Formatter:
         text = (st.prefix if first else "") + co.text
         choice = {"index": st.index, "text": text, "logprobs": lp, "finish_reason": co.finish_reason,
                   "stop_reason": co.stop_reason}
+        if first and self.vllm_k is not None:
+            choice["prompt_logprobs"] = self.vllm_lps.get(st.prompt_index)
         return self._chunk([choice])
 
     def _chunk(self, choices: list[dict]) -> dict:

@@ -148,6 +148,28 @@ def test_streamed_echo_carries_the_prompt_logprobs_first(srv):
     assert tokens[0] is None and len(tokens) == len(ids) + 3 and None not in tokens[1:]
 
 
+def test_vllm_prompt_logprobs_field(srv, hf_model):
+    ids = prompt(12, seed=11)
+    want, top = oracle(hf_model, ids, 2)
+    lp = torch.log_softmax(full_logits(hf_model, ids), dim=-1)
+    with srv.client() as c:
+        body = c.post("/v1/completions", json={"prompt": ids, "max_tokens": 1, "prompt_logprobs": 2,
+                                               "temperature": 0}).json()
+        chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "x"}],
+                                                    "prompt_logprobs": 1, "max_tokens": 1})
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "prompt_logprobs"
+    choice = body["choices"][0]
+    assert choice["logprobs"] is None and choice["text"] is not None
+    plp = choice["prompt_logprobs"]
+    assert plp[0] is None and len(plp) == len(ids)
+    for p, entry in enumerate(plp[1:], start=1):
+        actual = entry[str(ids[p])]
+        assert abs(actual["logprob"] - want[p - 1]) < TOL
+        assert actual["rank"] == int((lp[p - 1] > lp[p - 1, ids[p]]).sum()) + 1
+        ranked = sorted((v["rank"], int(t)) for t, v in entry.items() if v["rank"] <= 2)
+        assert [t for _, t in ranked][:2] == top[p - 1]
+
+
 @pytest.mark.parametrize("body, param", [
     ({"max_tokens": 0}, "max_tokens"),
     ({"max_tokens": 0, "logprobs": 1}, "max_tokens"),

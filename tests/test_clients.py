@@ -1,0 +1,149 @@
+"""Real clients against a live server over the bundled model (with a tool-rendering chat template):
+LangChain's `ChatOpenAI` (invoke, stream, bind_tools, with_structured_output) in every run, and
+lm-evaluation-harness's `local-completions` (loglikelihood and generate_until from local JSONL tasks)
+in the `clients` mark, skipped where `lm_eval` is not installed (`pip install -e '.[clients]'`)."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pydantic
+import pytest
+import torch
+from http_support import LiveServer
+from test_tools import HERMES, TOOLS
+
+from engine.models import DEFAULT_MODEL_DIR
+
+langchain_openai = pytest.importorskip("langchain_openai")
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    import shutil
+
+    path = tmp_path_factory.mktemp("clients-model")
+    for f in DEFAULT_MODEL_DIR.iterdir():
+        if f.is_file() and f.name != "chat_template.jinja":
+            shutil.copy(f, path / f.name)
+    (path / "chat_template.jinja").write_text(HERMES)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def srv(model_dir):
+    with LiveServer(model_dir, n_cells=4096) as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def llm(srv):
+    return langchain_openai.ChatOpenAI(base_url=srv.url + "/v1", api_key="unused", model="m", max_tokens=100,
+                                       temperature=0, max_retries=0)
+
+
+class Verdict(pydantic.BaseModel):
+    speaker: str = pydantic.Field(max_length=12)
+    guilty: bool
+
+
+def test_langchain_invoke_and_stream(llm):
+    out = llm.invoke("Who is Juliet?")
+    assert isinstance(out.content, str) and out.content
+    chunks = list(llm.stream("Who is Juliet?"))
+    assert "".join(c.content for c in chunks) == out.content
+
+
+def test_langchain_bind_tools(llm):
+    calls = llm.bind_tools(TOOLS, tool_choice="get_weather").invoke("Weather in Verona?").tool_calls
+    assert calls and calls[0]["name"] == "get_weather" and set(calls[0]["args"]) == {"city", "unit"}
+    forced = llm.bind_tools(TOOLS, tool_choice="any", parallel_tool_calls=False).invoke("Time?").tool_calls
+    assert len(forced) == 1 and forced[0]["name"] in ("get_weather", "get_time")
+
+
+@pytest.mark.parametrize("method", ["json_schema", "function_calling"])
+def test_langchain_with_structured_output(llm, method):
+    """(method="json_mode" sends json_object: any object, whose free-form strings the toy model may never
+    close within max_tokens; tests/test_structured_output.py covers json_object.)"""
+    out = llm.with_structured_output(Verdict, method=method).invoke("Judge Romeo.")
+    assert isinstance(out, Verdict)
+
+
+# ----- lm-evaluation-harness (marked: heavy) ------------------------------------------------------------------
+
+MC_YAML = """task: cellserve_mc
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{question}}}}"
+doc_to_choice: "{{{{choices}}}}"
+doc_to_target: "{{{{answer}}}}"
+metric_list:
+  - metric: acc
+"""
+GEN_YAML = """task: cellserve_gen
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {data}
+test_split: test
+output_type: generate_until
+doc_to_text: "{{{{question}}}}"
+doc_to_target: "{{{{answer}}}}"
+generation_kwargs:
+  until: ["\\n"]
+  max_gen_toks: 8
+  do_sample: false
+metric_list:
+  - metric: exact_match
+"""
+MC_DOCS = [{"question": "ROMEO: But soft, what light", "choices": ["through yonder window", "is a fish"],
+            "answer": 0},
+           {"question": "JULIET: O Romeo, Romeo,", "choices": ["wherefore art thou", "blue cheese"], "answer": 0},
+           {"question": "Enter", "choices": ["ROMEO", "quantum", "the"], "answer": 0}]
+
+
+@pytest.mark.clients
+def test_lm_eval_local_completions(srv, model_dir, tmp_path):
+    pytest.importorskip("lm_eval")
+    data = tmp_path / "mc.jsonl"
+    data.write_text("".join(json.dumps(d) + "\n" for d in MC_DOCS))
+    gen = tmp_path / "gen.jsonl"
+    gen.write_text("".join(json.dumps({"question": d["question"], "answer": d["choices"][0]}) + "\n" for d in MC_DOCS))
+    tasks = tmp_path / "tasks"
+    tasks.mkdir()
+    (tasks / "mc.yaml").write_text(MC_YAML.format(data=data))
+    (tasks / "gen.yaml").write_text(GEN_YAML.format(data=gen))
+    out = tmp_path / "out"
+    cmd = [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--tasks", "cellserve_mc,cellserve_gen",
+           "--include_path", str(tasks), "--output_path", str(out), "--log_samples",
+           "--model_args", (f"model=cellserve,base_url={srv.url}/v1/completions,tokenizer={model_dir},"
+                            "num_concurrent=2,max_retries=1,tokenized_requests=True")]
+    run = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600,
+                         env={"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    samples = {p.name: p for p in out.rglob("samples_cellserve_mc_*.jsonl")}
+    assert samples, list(out.rglob("*"))
+    rows = [json.loads(line) for line in next(iter(samples.values())).read_text().splitlines()]
+    # the loglikelihoods equal ones computed offline from the same model (a cacheless forward)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    for row in rows:  # lm-eval's own split: whole = encode(context + continuation), no BOS
+        for (ll, _greedy), args in zip([r[0] for r in row["resps"]], row["arguments"].values()):
+            context, cont = args["arg_0"], args["arg_1"]
+            ctx = tok.encode(context, add_special_tokens=False)
+            whole = tok.encode(context + cont, add_special_tokens=False)
+            with torch.no_grad():
+                lp = torch.log_softmax(model(torch.tensor([whole])).logits[0].float(), -1)
+            want = sum(lp[p - 1, whole[p]].item() for p in range(len(ctx), len(whole)))
+            assert math.isclose(float(ll), want, abs_tol=1e-3), (args, ll, want)
+    assert len(rows) == len(MC_DOCS)
+    gen_rows = next(out.rglob("samples_cellserve_gen_*.jsonl")).read_text().splitlines()
+    assert len(gen_rows) == len(MC_DOCS)  # every generate_until request answered
+    print(run.stdout[-1500:])

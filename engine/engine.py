@@ -106,13 +106,11 @@ class Engine:
         if params.prompt_logprobs is not None:  # the first token has no logprob: nothing predicts it
             req.prompt_logprobs = PromptLogprobs(list(prompt_ids[:1]), [None], [None])
         if seq is None:
-            seq = Sequence(_new_id("gen"), list(prompt_ids))
+            seq = (ScoredSequence if req.prompt_logprobs is not None else Sequence)(_new_id("gen"), list(prompt_ids))
         else:
             seq.token_ids.extend(prompt_ids)
             req.persistent_seq = seq
         self._start(req, seq, 0)
-        if req.prompt_logprobs is not None:
-            seq.lookup_done = True  # no prefix sharing: every prompt row's logits must be computed here
         req.children_pending = params.n - 1
         self.requests[request_id] = req
         self.prompt_tokens += len(prompt_ids)
@@ -483,6 +481,14 @@ class Engine:
         for seq in self.scheduler.cached_prefixes():
             self.scheduler.release(seq)
         return self.cache.free_cells() - before
+
+
+class ScoredSequence(Sequence):
+    """The sequence of a request that scores its prompt (prompt logprobs): every prompt row's logits must be
+    computed by its own prefill, so the scheduler's prefix-cache lookup always reads as done and never
+    shares a cached prefix into it, on first admission or after a preemption."""
+
+    lookup_done = property(lambda self: True, lambda self, value: None)
 
 
 def _flatten(chunks: list[Chunk], sample_chunks: list[Chunk], prompt_rows: dict[int, int] | None = None) -> FlatStep:

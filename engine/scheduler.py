@@ -28,7 +28,7 @@ from engine.sequence import SeqStatus, Sequence
 PREFIX_MIN_TOKENS = BLOCK  # a cached prefix shorter than one index block can never be found: not kept
 # While n sequences decode, a tick carries at most max(this, n) prefill tokens (the environment may
 # override it, for A/B runs).
-PREFILL_TOKENS_WHILE_DECODING = int(os.environ.get("CELLSERVE_PREFILL_WHILE_DECODING", "16"))
+PREFILL_TOKENS_WHILE_DECODING = int(os.environ.get("CELLSERVE_PREFILL_WHILE_DECODING", "32"))
 
 
 @dataclass

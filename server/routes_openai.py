@@ -16,6 +16,7 @@ from server.generation import GenerationRun
 from server.params import sampling_params
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.serving import ChatFormatter, Formatter, serve
+from server.sse import STREAMED_200
 from server.tools import call_grammar, supports_tools, template_tools
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16
@@ -27,7 +28,7 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-@router.post("/v1/completions")
+@router.post("/v1/completions", responses=STREAMED_200)
 async def completions(body: CompletionRequest, request: Request) -> Response:
     ctx = ServerContext.of(request)
     engine = ctx.require_engine()
@@ -46,7 +47,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     return await serve(request, ctx, run, fmt, stream=body.stream)
 
 
-@router.post("/v1/chat/completions")
+@router.post("/v1/chat/completions", responses=STREAMED_200)
 async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
     ctx = ServerContext.of(request)
     engine = ctx.require_engine()

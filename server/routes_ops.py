@@ -8,7 +8,7 @@ otherwise (loading, draining, failed). `/tokenize` and `/detokenize` use vLLM's 
 import time
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from engine.errors import RequestNotFound
 from server.context import ServerContext
@@ -29,7 +29,7 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
-@public.get("/metrics")
+@public.get("/metrics", response_class=PlainTextResponse)  # documented as text/plain
 async def metrics(request: Request) -> Response:
     return Response(ServerContext.of(request).metrics.render(), media_type=CONTENT_TYPE)
 

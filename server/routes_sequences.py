@@ -20,6 +20,7 @@ from server.params import sampling_params
 from server.protocol import ForkRequest, SequenceCompletionRequest, SequenceCreateRequest, TruncateRequest
 from server.routes_openai import COMPLETION_DEFAULT_MAX_TOKENS, new_id
 from server.serving import Formatter, serve
+from server.sse import STREAMED_200
 
 router = APIRouter()
 
@@ -87,7 +88,7 @@ async def get_sequence(seq_id: str, request: Request) -> dict:
     return sequence_view(info, text=text, with_tokens=True)
 
 
-@router.post("/v1/sequences/{seq_id}/completions")
+@router.post("/v1/sequences/{seq_id}/completions", responses=STREAMED_200)
 async def sequence_completions(seq_id: str, body: SequenceCompletionRequest, request: Request) -> Response:
     """Append the optional prompt/messages (no BOS: this continues a history), then generate into it."""
     ctx = ServerContext.of(request)

@@ -19,6 +19,9 @@ from starlette.types import Receive, Scope, Send
 
 DONE = object()  # sentinel payload: the terminating `data: [DONE]` event
 SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+# OpenAPI: a generation route answers 200 as JSON, or as an SSE stream when the body says `stream: true`.
+STREAMED_200 = {200: {"description": "the response; with `stream: true` a server-sent event stream",
+                      "content": {"text/event-stream": {"schema": {}}}}}
 
 
 def encode_event(payload: Any) -> bytes:

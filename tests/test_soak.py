@@ -6,7 +6,13 @@ Each round has two phases:
   some through the `openai` SDK), sampled n=2 completions, persistent-sequence scenarios (create,
   fork, concurrent continues, truncate + continue, a busy sequence's 409s, cancel or drop, delete),
   explicit cancels (id from X-Request-Id or the first chunk), abrupt disconnects mid-stream and
-  mid-wait, and malformed or oversized requests that must get one exact 4xx each;
+  mid-wait, and malformed or oversized requests that must get one exact 4xx each; and the hostile
+  cases of issue #16: bodies over --max-body-bytes (declared, or chunked past it) -> 413
+  body_too_large; lone surrogates -> 400 naming the field; too many prompts, prompts x n beyond
+  --max-choices, 4 prompts x n=64 beyond the pool (400 context_length_exceeded), 17 stop strings or
+  one of 257 characters -> 400; 200 KB of text -> 400 by its character count, before tokenizing;
+  HEAD /health -> 200; POSTs (completions, streamed completions, chat, sequence creates) whose
+  client hangs up 0-50 ms after sending;
 - the burst: `max_num_seqs + max_queue + 1` long greedy streams and a few short greedy requests are
   sent at once. At least one long stream must be refused with 429 + Retry-After (none can finish
   before it is released, so the last one admitted would find the queue full); every short request
@@ -19,8 +25,13 @@ After every round: no 5xx anywhere (the server's own error counter agrees, apart
 gave while loading); every greedy request that finished equals its solo reference, itself checked
 against the offline `LLM`; every greedy stream cut short (cancelled, dropped, preempted before that)
 produced a prefix of its reference; the pool's used/free cells are back to their baseline, no
-sequence is left, /health is 200. Across rounds the server's RSS after the warm-up round must grow
-less than RSS_GROWTH_MB. At the end SIGTERM lets an in-flight stream finish and the process exits 0.
+sequence is left (a create answered an instant before its client's hang-up was noticed may stay: the
+server cannot know its answer was lost; those are deleted and counted, and over all rounds must stay
+under half the creates that got no answer, where without the roll-back they would all stay), /health
+is 200. Across rounds the server's RSS after the warm-up round must grow less than RSS_GROWTH_MB.
+Then, on the quiet server, every hostile request above, REJECTED_REPEATS times each: each gets its
+exact refusal, nothing is preempted, the cells return, and RSS grows less than RSS_GROWTH_MB. At the
+end SIGTERM lets an in-flight stream finish and the process exits 0.
 
 Where the tiny model can outrun a busy client (a cancel arriving after the request finished), both
 outcomes are accepted if they are consistent, and counted in the per-round summary. The CI profile

@@ -23,14 +23,11 @@ import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-import torch
-
+from engine.args import EngineArgs, build_engine
 from engine.detok import OutputDetokenizer, context_ids
-from engine.engine import Engine, EngineConfig
+from engine.engine import Engine
 from engine.errors import EngineUnavailable, RequestNotFound
-from engine.model_source import resolve_model
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput, SequenceInfo
-from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 
 log = logging.getLogger("cellserve.engine")
@@ -106,24 +103,17 @@ class AsyncEngine:
         return built.result()
 
     @classmethod
-    def from_pretrained(cls, model_path: str | Path | None, *, n_cells: int | None = None,
-                        kv_memory_bytes: int | None = None, max_num_seqs: int = 256,
-                        max_num_batched_tokens: int = 512, max_queue: int = 1024, seq_ttl_s: float = 600.0,
-                        threads: int | None = None, attention: str = "fast", dtype: torch.dtype | str = "auto",
-                        model_name: str | None = None, prefix_caching: bool = True) -> "AsyncEngine":
-        """Load a model folder, a .gguf file or a known model name (see engine.model_source; the bundled
-        default model when `model_path` is None) on a new loop thread; the engine is returned running."""
-        source = resolve_model(model_path, dtype)
-        model_path, model_name = source.path, model_name or source.name
-        config = EngineConfig(max_num_seqs, max_num_batched_tokens, max_queue, seq_ttl_s, prefix_caching)
+    def from_pretrained(cls, model: str | Path | None = None, *, model_name: str | None = None,
+                        **engine_args) -> "AsyncEngine":
+        """Build `EngineArgs(model, **engine_args)` with `build_engine` on a new loop thread; `model` is
+        a folder, a .gguf file or a known model name (the bundled model when None), resolved here
+        first (a pull or a conversion happens before the thread starts). Returned running."""
+        return cls.from_args(EngineArgs(model=model, **engine_args), model_name=model_name)
 
-        def build() -> Engine:
-            runner = ModelRunner.from_pretrained(model_path, dtype=dtype, n_cells=n_cells,
-                                                 kv_memory_bytes=kv_memory_bytes, max_seqs=max(256, max_num_seqs * 2),
-                                                 threads=threads, attention=attention)
-            return Engine(runner, config)
-
-        return cls.launch(build, model_name or Path(model_path).name)
+    @classmethod
+    def from_args(cls, args: EngineArgs, *, model_name: str | None = None) -> "AsyncEngine":
+        args, name = args.resolved()
+        return cls.launch(lambda: build_engine(args), model_name or name)
 
     # ----- lifecycle -------------------------------------------------------------------------
     def start(self) -> None:

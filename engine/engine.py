@@ -9,13 +9,13 @@ commands to the step boundary.
 
 import logging
 import time
-import uuid
-from dataclasses import dataclass
 
 import torch
 
+from engine.args import EngineArgs
 from engine.detok import IncrementalDetokenizer
 from engine.errors import InvalidRequest, PromptTooLong, QueueFull, SequenceBusy, SequenceNotFound
+from engine.ids import new_id
 from engine.outputs import (
     CompletionOutput,
     EngineStats,
@@ -33,17 +33,7 @@ from engine.step import FlatStep, flatten_step
 log = logging.getLogger("cellserve.engine")
 
 
-@dataclass
-class EngineConfig:
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 512
-    max_queue: int = 1024
-    seq_ttl_s: float = 600.0
-    prefix_caching: bool = True  # share cached prefixes automatically (finished requests keep their cells)
-
-
-def _new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex[:16]}"
+EngineConfig = EngineArgs  # the engine's limits are the EngineArgs fields (one source of each default)
 
 
 class Engine:
@@ -55,9 +45,9 @@ class Engine:
     cells, and only until deleted, expired or evicted).
     """
 
-    def __init__(self, runner: ModelRunner, config: EngineConfig | None = None):
+    def __init__(self, runner: ModelRunner, config: EngineArgs | None = None):
         self.runner = runner
-        self.config = config or EngineConfig()
+        self.config = config or EngineArgs()
         self.cache = runner.cache
         self.tokenizer = runner.tokenizer
         self.scheduler = Scheduler(self.cache, self.config.max_num_seqs, self.config.max_num_batched_tokens,
@@ -106,7 +96,7 @@ class Engine:
         if params.prompt_logprobs is not None:  # the first token has no logprob: nothing predicts it
             req.prompt_logprobs = PromptLogprobs(list(prompt_ids[:1]), [None], [None])
         if seq is None:
-            seq = (ScoredSequence if req.prompt_logprobs is not None else Sequence)(_new_id("gen"), list(prompt_ids))
+            seq = (ScoredSequence if req.prompt_logprobs is not None else Sequence)(new_id("gen"), list(prompt_ids))
         else:
             seq.token_ids.extend(prompt_ids)
             req.persistent_seq = seq
@@ -118,10 +108,10 @@ class Engine:
 
     def create_sequence(self, prompt_ids, emit=None) -> tuple[Sequence, Request]:
         """A new persistent sequence, prefilled as soon as it is scheduled (a max_tokens=0 request on it)."""
-        seq = Sequence(_new_id("seq"), [], persistent=True)
+        seq = Sequence(new_id("seq"), [], persistent=True)
         self.sequences[seq.seq_id] = seq
         try:
-            req = self.add_request(_new_id("prefill"), prompt_ids, SamplingParams(max_tokens=0), emit, seq.seq_id)
+            req = self.add_request(new_id("prefill"), prompt_ids, SamplingParams(max_tokens=0), emit, seq.seq_id)
         except Exception:
             del self.sequences[seq.seq_id]  # refused: nothing was created
             raise
@@ -144,7 +134,7 @@ class Engine:
         at = len(parent.token_ids) if at is None else at
         if not 1 <= at <= len(parent.token_ids):
             raise InvalidRequest(f"fork at={at} is outside [1, {len(parent.token_ids)}]", "at")
-        child = Sequence(_new_id("seq"), parent.token_ids[:at], persistent=True, parent=seq_id)
+        child = Sequence(new_id("seq"), parent.token_ids[:at], persistent=True, parent=seq_id)
         share = min(parent.n_cached, at - 1)
         if parent.slot is not None and share > 0 and self.scheduler.acquire_slot(child, keep=parent):
             self.scheduler.share(parent, child, share)
@@ -306,7 +296,7 @@ class Engine:
             return []
         children = []
         for i in range(1, req.children_pending + 1):
-            child = Sequence(_new_id("gen"), list(parent.token_ids))
+            child = Sequence(new_id("gen"), list(parent.token_ids))
             self._start(req, child, i)
             if self.scheduler.acquire_slot(child):
                 self.scheduler.share(parent, child, parent.n_cached)

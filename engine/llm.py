@@ -8,11 +8,9 @@
 from dataclasses import dataclass
 from pathlib import Path
 
-import torch
 from tqdm.auto import tqdm
 
-from engine.engine import Engine, EngineConfig
-from engine.model_source import resolve_model
+from engine.args import EngineArgs, build_engine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
@@ -29,17 +27,13 @@ class LLMOutput:
 class LLM:
     """Runs many prompts to completion with continuous batching; returns outputs in prompt order."""
 
-    def __init__(self, model: str | Path | None = None, *, runner: ModelRunner | None = None,
-                 dtype: torch.dtype | str = "auto", n_cells: int | None = None, threads: int | None = None,
-                 attention: str = "fast", max_num_seqs: int = 256, max_num_batched_tokens: int = 512):
-        if runner is None:
-            model = resolve_model(model, dtype).path  # a folder, a .gguf file, a known name or None
-            runner = ModelRunner.from_pretrained(model, dtype=dtype, n_cells=n_cells, threads=threads,
-                                                 attention=attention, max_seqs=max(256, 2 * max_num_seqs))
-        config = EngineConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-                              max_queue=1 << 30)
-        self.engine = Engine(runner, config)
-        self.tokenizer = runner.tokenizer
+    def __init__(self, model: str | Path | None = None, *, runner: ModelRunner | None = None, **engine_args):
+        """`model`: a folder, a .gguf file, a known name or None (the bundled model); `engine_args`: any
+        `EngineArgs` field (n_cells, dtype, threads, ...). Offline, nothing is ever refused for a full
+        queue: every prompt given to `generate` is queued."""
+        engine_args.setdefault("max_queue", 1 << 30)
+        self.engine = build_engine(EngineArgs(model=model, **engine_args), runner)
+        self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True) -> list[LLMOutput]:

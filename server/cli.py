@@ -16,9 +16,11 @@ import sys
 import threading
 from collections.abc import Callable
 
+from engine.args import EngineArgs
 from server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CHOICES, DEFAULT_MAX_PROMPTS
 
 log = logging.getLogger("cellserve")
+ENGINE = EngineArgs()  # the engine flags' defaults
 # Idle keep-alive connections are closed after this long. Well above common clients' own pool expiry
 # (httpx: 5 s), so a client never reuses a connection at the instant the server closes it (ReadError).
 KEEP_ALIVE_S = 30
@@ -63,17 +65,18 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     pool = p.add_mutually_exclusive_group()
     pool.add_argument("--n-cells", type=_positive_int, default=None, help="KV cells in the pool (tokens)")
     pool.add_argument("--kv-memory", type=parse_size, default=None, help="KV pool budget, e.g. 2GiB")
-    p.add_argument("--max-num-seqs", type=_positive_int, default=256, help="sequences running at once")
-    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=512, help="token budget per tick")
-    p.add_argument("--max-queue", type=_positive_int, default=1024, help="waiting requests before 429")
+    p.add_argument("--max-num-seqs", type=_positive_int, default=ENGINE.max_num_seqs, help="sequences running at once")
+    p.add_argument("--max-num-batched-tokens", type=_positive_int, default=ENGINE.max_num_batched_tokens,
+                   help="token budget per tick")
+    p.add_argument("--max-queue", type=_positive_int, default=ENGINE.max_queue, help="waiting requests before 429")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
+    p.add_argument("--dtype", default=ENGINE.dtype, choices=["auto", "float32", "bfloat16", "float16"],
                    help="model dtype (auto: as saved; bfloat16 is ~2x faster on CPUs with AVX512-BF16)")
-    p.add_argument("--attention", default="fast", choices=["fast", "reference"],
+    p.add_argument("--attention", default=ENGINE.attention, choices=["fast", "reference"],
                    help="fast: read only visible cells (default); reference: dense mask over the pool")
     p.add_argument("--served-model-name", default=None, help="model id reported by the API")
-    p.add_argument("--seq-ttl", type=float, default=600.0, help="seconds before an idle sequence expires")
+    p.add_argument("--seq-ttl", type=float, default=ENGINE.seq_ttl_s, help="seconds before an idle sequence expires")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="turn automatic prefix sharing off (finished requests free their cells at once)")
@@ -87,20 +90,24 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+def engine_args_of(args: argparse.Namespace) -> EngineArgs:
+    """The serve flags as the one `EngineArgs` every engine is built from."""
+    return EngineArgs(model=args.model, dtype=args.dtype, n_cells=args.n_cells, kv_memory_bytes=args.kv_memory,
+                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                      max_queue=args.max_queue, seq_ttl_s=args.seq_ttl, threads=args.threads,
+                      attention=args.attention, prefix_caching=not args.no_prefix_cache)
+
+
 def engine_factory(args: argparse.Namespace) -> Callable[[], object]:
     """A zero-argument builder the app calls in a worker thread (model loading takes seconds)."""
 
     def build():
         from engine.async_engine import AsyncEngine  # torch-heavy; only when serving
-        from engine.model_source import resolve_model
 
-        source = resolve_model(args.model, args.dtype)  # a .gguf is converted once, a known name pulled once
-        log.info("loading model %s from %s%s", source.name, source.path, "" if args.model else " (the bundled model)")
-        engine = AsyncEngine.from_pretrained(
-            source.path, model_name=source.name, n_cells=args.n_cells, kv_memory_bytes=args.kv_memory, max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens, max_queue=args.max_queue,
-            seq_ttl_s=args.seq_ttl, threads=args.threads, dtype=args.dtype, attention=args.attention,
-            prefix_caching=not args.no_prefix_cache)
+        # a .gguf is converted once, a known name pulled once (EngineArgs.resolved)
+        engine_args, name = engine_args_of(args).resolved()
+        log.info("loading model %s from %s%s", name, engine_args.model, "" if args.model else " (the bundled model)")
+        engine = AsyncEngine.from_args(engine_args, model_name=name)
         pool = engine.n_cells * engine.cell_bytes
         log.info("loaded %s (%s, context %d tokens); cell pool: %d cells x %d B = %s; prefix cache %s",
                  engine.model_name, engine.engine.runner.dtype, engine.max_model_len, engine.n_cells,

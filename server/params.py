@@ -11,6 +11,7 @@ from typing import Any
 from server.errors import APIError
 from server.protocol import SamplingFields
 
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the context that is left)
 PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "presence_penalty",
                "frequency_penalty", "repetition_penalty")
 

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.outputs import TokenLogprob
+from engine.outputs import SequenceInfo, TokenLogprob
 
 TokenStr = Callable[[int], str]
 
@@ -158,3 +158,26 @@ def chunk(obj: str, rid: str, created: int, model: str, choices: list[dict], wit
 def usage_chunk(obj: str, rid: str, created: int, model: str, use: dict) -> dict:
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use,
             "system_fingerprint": None}
+
+
+def _epoch(monotonic_t: float) -> float:
+    """`last_used` is a time.monotonic() stamp (TTL arithmetic); clients want wall-clock seconds."""
+    return round(time.time() - (time.monotonic() - monotonic_t), 3)
+
+
+def sequence_view(info: SequenceInfo, text: str | None = None, with_tokens: bool = False) -> dict:
+    out = {
+        "id": info.seq_id,
+        "object": "sequence",
+        "length": info.length,
+        "status": info.status,
+        "parent": info.parent,
+        "cells": {"owned": info.cells_owned, "shared": info.cells_shared, "cached_tokens": info.n_cached},
+        "created": int(info.created),  # already wall-clock (time.time())
+        "last_used": _epoch(info.last_used),
+    }
+    if with_tokens:
+        out["token_ids"] = list(info.token_ids)
+    if text is not None:
+        out["text"] = text
+    return out

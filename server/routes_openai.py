@@ -5,27 +5,20 @@ start a `GenerationRun`, and let `server.serving` answer as JSON or SSE. Default
 completions `max_tokens` 16, chat `max_tokens` up to the context that is left.
 """
 
-import uuid
-
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from engine.ids import new_id
 from server.context import ServerContext
 from server.errors import APIError
 from server.generation import GenerationRun
-from server.params import sampling_params
+from server.params import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.serving import ChatFormatter, Formatter, serve
 from server.sse import STREAMED_200
 from server.tools import call_grammar, supports_tools, template_tools
 
-COMPLETION_DEFAULT_MAX_TOKENS = 16
-
 router = APIRouter()
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 @router.post("/v1/completions", responses=STREAMED_200)

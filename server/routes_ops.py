@@ -15,7 +15,7 @@ from server.context import ServerContext
 from server.errors import APIError
 from server.metrics import CONTENT_TYPE
 from server.protocol import DetokenizeRequest, TokenizeRequest
-from server.routes_sequences import sequence_view
+from server.responses import sequence_view
 
 public = APIRouter()
 router = APIRouter()

@@ -8,44 +8,20 @@ busy sequence snapshots what it has generated so far (the engine does it at a ti
 Every engine verb is a command the engine applies at its next step boundary; routes await it.
 """
 
-import time
-from typing import Any
 
 from fastapi import APIRouter, Body, Request
 from fastapi.responses import Response
 
+from engine.ids import new_id
 from server.context import ServerContext
 from server.generation import ClientGone, GenerationRun, await_or_disconnect
-from server.params import sampling_params
+from server.params import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
 from server.protocol import ForkRequest, SequenceCompletionRequest, SequenceCreateRequest, TruncateRequest
-from server.routes_openai import COMPLETION_DEFAULT_MAX_TOKENS, new_id
+from server.responses import sequence_view
 from server.serving import Formatter, serve
 from server.sse import STREAMED_200
 
 router = APIRouter()
-
-
-def _epoch(monotonic_t: float) -> float:
-    """`last_used` is a time.monotonic() stamp (TTL arithmetic); clients want wall-clock seconds."""
-    return round(time.time() - (time.monotonic() - monotonic_t), 3)
-
-
-def sequence_view(info: Any, text: str | None = None, with_tokens: bool = False) -> dict:
-    out = {
-        "id": info.seq_id,
-        "object": "sequence",
-        "length": info.length,
-        "status": info.status,
-        "parent": info.parent,
-        "cells": {"owned": info.cells_owned, "shared": info.cells_shared, "cached_tokens": info.n_cached},
-        "created": int(info.created),  # already wall-clock (time.time())
-        "last_used": _epoch(info.last_used),
-    }
-    if with_tokens:
-        out["token_ids"] = list(info.token_ids)
-    if text is not None:
-        out["text"] = text
-    return out
 
 
 async def _prompt_ids(ctx: ServerContext, prompt: str | list[int] | None, messages: list | None,

@@ -1,0 +1,55 @@
+"""EngineArgs: every engine limit and default in one place, and `build_engine`, the one way to make
+an engine from them.
+
+`LLM`, `AsyncEngine.from_pretrained`, the CLI (`cellserve serve` takes its flag defaults from here)
+and the benchmarks all go through `build_engine`, so a default changes in exactly one place. This
+module imports no torch: the CLI reads the defaults without loading the engine.
+"""
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+DEFAULT_SLOTS = 256  # sequence slots in the cell pool at least (persistent and cached sequences hold one)
+
+
+@dataclass
+class EngineArgs:
+    """What an engine is built from. Guarantees: the defaults are the server's documented defaults."""
+
+    model: str | Path | None = None  # a HF folder, a .gguf file, a known name; None: the bundled model
+    dtype: str = "auto"
+    n_cells: int | None = None  # KV pool size in tokens (or give kv_memory_bytes); None: the runner's rule
+    kv_memory_bytes: int | None = None
+    max_num_seqs: int = 256  # sequences generating at once
+    max_num_batched_tokens: int = 512  # tokens per forward (chunked prefill + decode)
+    max_queue: int = 1024  # waiting requests before new ones are refused (QueueFull)
+    seq_ttl_s: float = 600.0  # idle persistent sequences are deleted after this long
+    threads: int | None = None  # torch CPU threads; None: torch's default
+    attention: str = "fast"  # "fast" (compacted, per-row gather) or "reference" (dense mask)
+    prefix_caching: bool = True  # share cached prefixes automatically (finished requests keep their cells)
+
+    @property
+    def max_seqs(self) -> int:
+        """Cell-pool slots: room for every running sequence plus as many idle or cached ones."""
+        return max(DEFAULT_SLOTS, 2 * self.max_num_seqs)
+
+    def resolved(self) -> tuple["EngineArgs", str]:
+        """These args with `model` resolved to a loadable folder (pulling or converting it if needed),
+        and the model's display name."""
+        from engine.model_source import resolve_model
+
+        source = resolve_model(self.model, self.dtype)
+        return replace(self, model=source.path), source.name
+
+
+def build_engine(args: EngineArgs, runner=None):
+    """An `Engine` for `args` (loads the model unless a ready `ModelRunner` is given)."""
+    from engine.engine import Engine
+    from engine.runner import ModelRunner
+
+    if runner is None:
+        args, _ = args.resolved()
+        runner = ModelRunner.from_pretrained(args.model, dtype=args.dtype, n_cells=args.n_cells,
+                                             kv_memory_bytes=args.kv_memory_bytes, max_seqs=args.max_seqs,
+                                             threads=args.threads, attention=args.attention)
+    return Engine(runner, args)

@@ -160,12 +160,6 @@ class AsyncEngine:
             stream.detok = OutputDetokenizer(self.tokenizer, context)
         return stream
 
-    async def generate(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
-                       seq_id: str | None = None) -> AsyncIterator[RequestOutput]:
-        """`submit` as one async generator: errors surface at the first iteration."""
-        async for out in await self.submit(request_id, prompt_ids, params, seq_id=seq_id):
-            yield out
-
     async def cancel(self, request_id: str) -> None:
         """Cancel an in-flight request at the next tick; raise RequestNotFound if it is not in flight."""
         if not await self._call(lambda: self.engine.cancel(request_id), check_accepting=False):

@@ -40,8 +40,8 @@ def test_concurrent_submits_equal_solo_runs(model):
 
     async def main():
         aeng.start()
-        results = await asyncio.gather(*(_collect(aeng.generate(f"r{i}", p, greedy(8)))
-                                         for i, p in enumerate(prompts)))
+        streams = [await aeng.submit(f"r{i}", p, greedy(8)) for i, p in enumerate(prompts)]
+        results = await asyncio.gather(*(_collect(s) for s in streams))
         await aeng.shutdown()
         return results
 
@@ -67,7 +67,7 @@ def test_refusals_raise_from_the_awaited_call(model):
         with pytest.raises(RequestNotFound):
             await aeng.cancel("nope")
         aeng.cancel_nowait("nope")  # harmless
-        tokens, finish, _ = await _collect(aeng.generate("x", [5, 6], greedy(4)))  # the engine still serves
+        tokens, finish, _ = await _collect(await aeng.submit("x", [5, 6], greedy(4)))  # the engine still serves
         await aeng.shutdown()
         return tokens, finish
 
@@ -101,7 +101,7 @@ def test_persistent_sequence_verbs(model):
         aeng.start()
         info = await aeng.create_sequence(p)
         assert (info.length, info.n_cached, info.status) == (9, 8, "idle")
-        tokens, finish, _ = await _collect(aeng.generate("c", [4], greedy(5), seq_id=info.seq_id))
+        tokens, finish, _ = await _collect(await aeng.submit("c", [4], greedy(5), seq_id=info.seq_id))
         child = await aeng.fork(info.seq_id, at=6)
         short = await aeng.truncate(info.seq_id, 7)
         listed = {s.seq_id for s in await aeng.list_sequences()}
@@ -173,7 +173,7 @@ def test_launch_builds_the_engine_on_the_thread_that_runs_it(model):
     assert aeng.accepting and aeng.model_name == "tiny"
 
     async def main():
-        tokens, finish, _ = await _collect(aeng.generate("r", prompt(5, seed=3), greedy(4)))
+        tokens, finish, _ = await _collect(await aeng.submit("r", prompt(5, seed=3), greedy(4)))
         await aeng.shutdown()
         return tokens, finish
 

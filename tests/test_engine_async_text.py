@@ -60,7 +60,7 @@ def _async_side(model, tok, prompt_ids, params) -> tuple[list[list[str]], Record
 
     async def main():
         aeng.start()
-        async for out in aeng.generate("r", prompt_ids, params):
+        async for out in await aeng.submit("r", prompt_ids, params):
             for c in out.outputs:
                 texts.setdefault(c.index, []).append(c.text)
         await aeng.shutdown()
@@ -128,8 +128,8 @@ def test_continuing_a_sequence_decodes_with_its_history_as_context(tok):
         info = await aeng.create_sequence(ids[:3])
         texts = []
         for k in range(3):
-            texts.append([out.outputs[0].text async for out in aeng.generate(f"r{k}", [], params,
-                                                                               seq_id=info.seq_id)])
+            texts.append([out.outputs[0].text async for out in await aeng.submit(f"r{k}", [], params,
+                                                                                    seq_id=info.seq_id)])
         await aeng.shutdown()
         return texts
 

@@ -106,6 +106,10 @@ UNSUPPORTED: dict[str, tuple] = {
     "chat_template_kwargs": (), "continue_final_message": (False,), "mm_processor_kwargs": (),
     "verbosity": (), "bad_words_ids": (), "min_length": (0,), "thinking": (),
 }
+# Fields of one route that another route does not honour (e.g. `tools` sent to /v1/completions).
+CHAT_ONLY: dict[str, tuple] = {"tools": ([],), "tool_choice": ("none",), "max_completion_tokens": (),
+                               "top_logprobs": ()}
+COMPLETIONS_ONLY: dict[str, tuple] = {"echo": (False,), "suffix": ("",)}
 # Accepted and ignored: they change nothing this server computes (listed in the README).
 IGNORED = ("model", "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
            "request_id", "parallel_tool_calls (without tools)")
@@ -352,7 +356,8 @@ class SamplingFields(StrictModel):
 
 
 class CompletionRequest(SamplingFields):
-    unsupported: ClassVar[dict[str, tuple]] = {k: v for k, v in UNSUPPORTED.items() if k != "prompt_logprobs"}
+    unsupported: ClassVar[dict[str, tuple]] = {
+        **{k: v for k, v in UNSUPPORTED.items() if k != "prompt_logprobs"}, **CHAT_ONLY}
 
     prompt: list[str | list[int]]
     max_tokens: int | None = Field(None, ge=0)  # 0 only with echo: score the prompt, generate nothing
@@ -383,6 +388,8 @@ class CompletionRequest(SamplingFields):
 
 
 class ChatCompletionRequest(SamplingFields):
+    unsupported: ClassVar[dict[str, tuple]] = {**UNSUPPORTED, **COMPLETIONS_ONLY}
+
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool = False
@@ -454,6 +461,8 @@ class SequenceCreateRequest(_PromptOrMessages):
 
 class SequenceCompletionRequest(SamplingFields, _PromptOrMessages):
     """Append optional text to a sequence, then generate into it (one choice: n must be 1)."""
+
+    unsupported: ClassVar[dict[str, tuple]] = {**UNSUPPORTED, **CHAT_ONLY, **COMPLETIONS_ONLY}
 
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 

@@ -1,7 +1,7 @@
 """Real clients against a live server over the bundled model (with a tool-rendering chat template):
 LangChain's `ChatOpenAI` (invoke, stream, bind_tools, with_structured_output) in every run, and
 lm-evaluation-harness's `local-completions` (loglikelihood and generate_until from local JSONL tasks)
-in the `clients` mark, skipped where `lm_eval` is not installed (`pip install -e '.[clients]'`)."""
+in the `clients` mark, run only when asked for: `pip install -e '.[clients]'`, then `pytest -m clients`."""
 
 import json
 import math

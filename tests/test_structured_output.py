@@ -208,3 +208,14 @@ def test_what_cannot_be_honoured_is_a_400_naming_the_field(srv, body, param, wor
                                              "user": "u", "metadata": {"k": "v"}, "store": False})
         assert ok.status_code == 200, ok.text
     assert srv.wait_idle()["requests"]["running"] == 0
+
+
+@pytest.mark.parametrize("route, body, param", [
+    ("/v1/completions", {"prompt": "x", "tools": [{"type": "function"}]}, "tools"),
+    ("/v1/completions", {"prompt": "x", "max_completion_tokens": 3}, "max_completion_tokens"),
+    ("/v1/chat/completions", {"messages": MESSAGES, "echo": True}, "echo"),
+])
+def test_a_field_of_another_route_is_a_400_too(srv, route, body, param):
+    with srv.client() as c:
+        r = c.post(route, json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

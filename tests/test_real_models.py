@@ -202,3 +202,33 @@ def write_gguf(path, arch: str):
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def test_structured_output_tools_and_prompt_logprobs_on_a_real_chat_model(server, hf):
+    """SmolLM2 answers a JSON question with a Markdown fence and prose unless constrained; its template
+    cannot render tools (auto is a 400) but a required call is constrained; echo scores the prompt."""
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+                                               "country": {"type": "string", "maxLength": 20}},
+              "required": ["city", "country"], "additionalProperties": False}
+    ask = [{"role": "user", "content": "Give the capital of France as JSON with city and country."}]
+    tools = [{"type": "function", "function": {"name": "get_capital", "parameters": schema}}]
+    with server.client() as c:
+        out = c.post("/v1/chat/completions", json={"messages": ask, "max_tokens": 40, "temperature": 0,
+                                                   "response_format": {"type": "json_schema", "json_schema": {
+                                                       "name": "capital", "schema": schema, "strict": True}}})
+        choice = out.json()["choices"][0]
+        assert choice["finish_reason"] == "stop" and json.loads(choice["message"]["content"])["city"] == "Paris"
+        auto = c.post("/v1/chat/completions", json={"messages": ask, "tools": tools, "max_tokens": 4})
+        assert auto.status_code == 400 and auto.json()["error"]["param"] == "tools"
+        call = c.post("/v1/chat/completions", json={"messages": ask, "tools": tools, "tool_choice": "required",
+                                                    "parallel_tool_calls": False, "max_tokens": 60,
+                                                    "temperature": 0}).json()["choices"][0]
+        assert call["finish_reason"] == "tool_calls", call
+        assert set(json.loads(call["message"]["tool_calls"][0]["function"]["arguments"])) == {"city", "country"}
+        ids = hf[1].encode("The capital of France is Paris.")
+        echo = c.post("/v1/completions", json={"prompt": ids, "max_tokens": 0, "echo": True, "logprobs": 1}).json()
+    with torch.inference_mode():
+        lp = torch.log_softmax(hf[0](torch.tensor([ids])).logits[0].float(), dim=-1)
+    want = [lp[p - 1, ids[p]].item() for p in range(1, len(ids))]
+    got = echo["choices"][0]["logprobs"]["token_logprobs"]
+    assert got[0] is None and np.allclose(got[1:], want, atol=1e-3)

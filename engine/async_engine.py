@@ -70,6 +70,7 @@ class AsyncEngine:
         self.max_model_len = engine.runner.max_model_len
         self.n_cells = engine.cache.n_cells
         self.cell_bytes = engine.runner.cell_bytes
+        self.dtype = engine.runner.dtype
         self.prefix_caching = engine.config.prefix_caching
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -210,6 +211,10 @@ class AsyncEngine:
     async def cached_prefix_cells(self) -> int:
         """Cells held only by cached prefixes (evictable on demand), counted on the loop thread."""
         return await self._call(self.engine.cached_prefix_cells, check_accepting=False)
+
+    def max_tokens_left(self, prompt_len: int, n: int = 1) -> int:
+        """`Engine.max_tokens_left`: what "generate until the end" means (constants only, any thread)."""
+        return self.engine.max_tokens_left(prompt_len, n)
 
     def check_fits(self, prompt_lens: list[int], max_tokens: int, n: int = 1) -> None:
         """`Engine.check_fits` (PromptTooLong for what can never run); reads constants only, so it is

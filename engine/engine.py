@@ -408,6 +408,13 @@ class Engine:
         if bad:
             raise InvalidRequest(f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})", "prompt")
 
+    def max_tokens_left(self, prompt_len: int, n: int = 1) -> int:
+        """The most tokens each of n choices can generate after `prompt_len` tokens: the model's context
+        left, and the pool shared by the n choices (the same rule `check_fits` enforces); at least 1."""
+        by_model = self.runner.max_model_len - prompt_len
+        by_pool = (self.cache.n_cells - prompt_len) // max(1, n)
+        return max(1, min(by_model, by_pool))
+
     def check_fits(self, prompt_lens: list[int], max_tokens: int, n: int = 1) -> None:
         """Refuse (PromptTooLong, changing nothing) what can never run: a prompt + max_tokens beyond the
         model's context, or all prompts x n choices beyond the whole cell pool (admitting that would

@@ -110,7 +110,7 @@ def engine_factory(args: argparse.Namespace) -> Callable[[], object]:
         engine = AsyncEngine.from_args(engine_args, model_name=name)
         pool = engine.n_cells * engine.cell_bytes
         log.info("loaded %s (%s, context %d tokens); cell pool: %d cells x %d B = %s; prefix cache %s",
-                 engine.model_name, engine.engine.runner.dtype, engine.max_model_len, engine.n_cells,
+                 engine.model_name, engine.dtype, engine.max_model_len, engine.n_cells,
                  engine.cell_bytes, human_bytes(pool),
                  "on" if engine.prefix_caching else "off (--no-prefix-cache)")
         return engine

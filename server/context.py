@@ -11,7 +11,7 @@ thread after the socket is open, so `/health` can say 503 while the model loads.
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Union
 
 from fastapi import Request
 
@@ -22,15 +22,19 @@ from server.tokenization import TokenizerService
 
 log = logging.getLogger("cellserve.server")
 
-EngineFactory = Callable[[], Any]
+if TYPE_CHECKING:  # the server never imports the engine (torch) at run time; it is injected
+    from engine.async_engine import AsyncEngine
+    from server.generation import GenerationRun
+
+EngineFactory = Callable[[], "AsyncEngine"]
 
 
 class ServerContext:
-    def __init__(self, engine: Any, *, served_model_name: str | None = None, api_key: str | None = None,
+    def __init__(self, engine: Union["AsyncEngine", EngineFactory], *, served_model_name: str | None = None, api_key: str | None = None,
                  shutdown_grace_s: float = 30.0, on_fatal: Callable[[str], None] | None = None,
                  limits: Limits | None = None):
         self._factory: EngineFactory | None = None if _is_engine(engine) else engine
-        self.engine: Any | None = engine if _is_engine(engine) else None
+        self.engine: AsyncEngine | None = engine if _is_engine(engine) else None
         self.state = "loading"
         self.error: str | None = None
         self.served_model_name = served_model_name
@@ -40,7 +44,7 @@ class ServerContext:
         self.limits = limits or Limits()
         self.tokens: TokenizerService | None = None
         self.metrics = ServerMetrics(self._stats)
-        self.runs: dict[str, Any] = {}
+        self.runs: dict[str, GenerationRun] = {}
         self._load_task: asyncio.Task | None = None
 
     @staticmethod
@@ -64,7 +68,7 @@ class ServerContext:
             if self.on_fatal is not None:
                 self.on_fatal(self.error)
 
-    def _attach(self, engine: Any) -> None:
+    def _attach(self, engine: "AsyncEngine") -> None:
         engine.start()
         self.engine = engine
         engine.on_failure = self._engine_failed
@@ -96,7 +100,7 @@ class ServerContext:
         self.state = "stopped"
 
     # what routes use
-    def require_engine(self) -> Any:
+    def require_engine(self) -> "AsyncEngine":
         if self.state == "ready":
             return self.engine
         why = {
@@ -111,21 +115,14 @@ class ServerContext:
     def model_name(self) -> str:
         return self.served_model_name or "cellserve"
 
-    def default_max_tokens(self, prompt_len: int, n: int = 1) -> int:
-        """What "generate until the end" means: the model's context left, and the pool shared by n choices."""
-        e = self.engine
-        by_model = int(e.max_model_len) - prompt_len
-        by_pool = (int(e.n_cells) - prompt_len) // max(1, n)
-        return max(1, min(by_model, by_pool))
-
     def _stats(self):
         return self.engine.stats() if self.engine is not None and self.state != "loading" else None
 
     # in-flight runs, for POST /v1/requests/{id}/cancel
-    def register(self, run: Any) -> None:
+    def register(self, run: "GenerationRun") -> None:
         self.runs[run.request_id] = run
 
-    def unregister(self, run: Any) -> None:
+    def unregister(self, run: "GenerationRun") -> None:
         if self.runs.get(run.request_id) is run:
             del self.runs[run.request_id]
 

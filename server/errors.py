@@ -1,7 +1,7 @@
 """Error shapes and exception handlers: every failure leaves the server as an OpenAI error body.
 
 The body is always `{"error": {"message", "type", "param", "code"}}` whatever raised it: our own
-`APIError`, a typed engine error (`engine.errors.EngineError`, mapped by its `.status`), a pydantic /
+`APIError`, a typed engine error (`engine.errors.EngineError`, mapped by `ENGINE_STATUS`), a pydantic /
 FastAPI validation failure (400 with the offending `param`, never FastAPI's default 422), garbage
 JSON, an unknown route, or an unexpected bug (500, logged with its traceback). A 429 carries
 `Retry-After`. Handlers never touch the engine, so a bad request changes nothing.
@@ -16,7 +16,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import EngineError
+from engine.errors import (
+    EngineError,
+    EngineUnavailable,
+    PromptTooLong,
+    QueueFull,
+    RequestNotFound,
+    SequenceBusy,
+    SequenceNotFound,
+)
 
 log = logging.getLogger("cellserve.server")
 
@@ -33,6 +41,15 @@ ERROR_TYPES = {
     503: "unavailable_error",
 }
 RETRY_AFTER_S = 1
+# The one place an engine error becomes an HTTP status (subclasses inherit; anything else is a 400).
+ENGINE_STATUS: dict[type[EngineError], int] = {
+    SequenceNotFound: 404,
+    RequestNotFound: 404,
+    SequenceBusy: 409,
+    PromptTooLong: 400,  # OpenAI's and vLLM's answer to a context overflow (clients look for a 400)
+    QueueFull: 429,
+    EngineUnavailable: 503,
+}
 
 
 class APIError(Exception):
@@ -47,7 +64,8 @@ class APIError(Exception):
 
     @classmethod
     def from_engine(cls, err: EngineError) -> "APIError":
-        return cls(err.status, str(err), param=err.param, code=err.code)
+        status = next((ENGINE_STATUS[c] for c in type(err).__mro__ if c in ENGINE_STATUS), 400)
+        return cls(status, str(err), param=err.param, code=err.code)
 
     def body(self) -> dict[str, Any]:
         return error_body(self.status, self.message, param=self.param, code=self.code)

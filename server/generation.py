@@ -15,12 +15,16 @@ prefills once and forks). `GenerationRun` guarantees:
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Awaitable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import Request
 
 from engine.outputs import RequestOutput
 from server.metrics import RequestObserver, ServerMetrics
+
+if TYPE_CHECKING:  # types only: the server does not import the engine (torch) at run time
+    from engine.async_engine import AsyncEngine
+    from engine.sampling import SamplingParams
 
 _END = object()
 
@@ -30,7 +34,7 @@ class ClientGone(Exception):
 
 
 class GenerationRun:
-    def __init__(self, engine: Any, request_id: str, prompts: list[list[int]], params: Any, *,
+    def __init__(self, engine: "AsyncEngine", request_id: str, prompts: list[list[int]], params: "SamplingParams", *,
                  seq_id: str | None = None, metrics: ServerMetrics | None = None):
         self.engine = engine
         self.request_id = request_id

@@ -58,7 +58,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     prompt = await ctx.tokens.encode_chat(messages, add_generation_prompt=body.add_generation_prompt, tools=tools)
     max_tokens = body.max_new_tokens()
     if max_tokens is None:
-        max_tokens = ctx.default_max_tokens(len(prompt), body.n)
+        max_tokens = engine.max_tokens_left(len(prompt), body.n)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
     guided = None
     if mode in ("required", "named") or (mode == "auto" and body.guided() is None):

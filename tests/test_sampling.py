@@ -76,7 +76,7 @@ def test_invalid_field_raises_with_param(kwargs, param):
     err = info.value
     assert err.param == param
     assert param in str(err)
-    assert isinstance(err, ValueError) and isinstance(err, InvalidRequest) and err.status == 400
+    assert isinstance(err, ValueError) and isinstance(err, InvalidRequest) and err.code == "invalid_request"
 
 
 def test_valid_params_are_normalised():

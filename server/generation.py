@@ -137,10 +137,11 @@ async def await_or_disconnect(request: Request, work: Awaitable, on_disconnect) 
         task.cancel()
         on_disconnect()
         raise
-    finally:
-        watcher.cancel()
-    if task.done():
+    gone = watcher.done()  # checked before the watcher is cancelled below
+    watcher.cancel()
+    if task.done() and not gone:
         return task.result()
+    # The client is gone (even if the work finished in the same turn: nobody would read the answer).
     task.cancel()
     on_disconnect()
     with contextlib.suppress(asyncio.CancelledError, Exception):

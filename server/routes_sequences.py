@@ -9,9 +9,13 @@ Every engine verb is a command the engine applies at its next step boundary; rou
 """
 
 
+import asyncio
+import contextlib
+
 from fastapi import APIRouter, Body, Request
 from fastapi.responses import Response
 
+from engine.errors import EngineError
 from engine.ids import new_id
 from server.context import ServerContext
 from server.generation import ClientGone, GenerationRun, await_or_disconnect
@@ -43,9 +47,11 @@ async def create_sequence(body: SequenceCreateRequest, request: Request) -> Resp
     ids = await _prompt_ids(ctx, body.prompt, body.messages, body.add_generation_prompt, add_special_tokens=True)
     if not ids:
         ids = await ctx.tokens.encode("")  # BOS, or a 400 saying the model has none
-    try:  # a create whose client is gone is rolled back by the engine (no orphan sequence)
-        info = await await_or_disconnect(request, engine.create_sequence(ids), lambda: None)
+    work = asyncio.ensure_future(engine.create_sequence(ids))
+    try:  # a create whose client is gone is rolled back (no sequence under an id nobody received)
+        info = await await_or_disconnect(request, work, lambda: None)
     except ClientGone:
+        await _delete_if_made(engine, work)
         return Response(status_code=499)
     return sequence_view(info)
 
@@ -86,11 +92,21 @@ async def fork_sequence(seq_id: str, request: Request,
                         body: ForkRequest | None = OPTIONAL_FORK_BODY) -> Response | dict:
     engine = ServerContext.of(request).require_engine()
     at = body.at if body is not None else None
-    try:  # a fork whose client is gone is rolled back by the engine
-        info = await await_or_disconnect(request, engine.fork(seq_id, at), lambda: None)
+    work = asyncio.ensure_future(engine.fork(seq_id, at))
+    try:  # a fork whose client is gone is rolled back
+        info = await await_or_disconnect(request, work, lambda: None)
     except ClientGone:
+        await _delete_if_made(engine, work)
         return Response(status_code=499)
     return sequence_view(info)
+
+
+async def _delete_if_made(engine, work: asyncio.Future) -> None:
+    """The client left after `work` made a sequence (it finished as the disconnect arrived; an earlier
+    cancel is undone by the engine itself): delete it."""
+    if work.done() and not work.cancelled() and work.exception() is None:
+        with contextlib.suppress(EngineError):
+            await engine.delete(work.result().seq_id)
 
 
 @router.post("/v1/sequences/{seq_id}/truncate")

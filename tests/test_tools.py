@@ -205,3 +205,22 @@ def test_template_without_tools_auto_is_400_but_required_is_constrained():
         assert choice["finish_reason"] == "tool_calls"
         for tc in choice["message"]["tool_calls"]:
             jsonschema.validate(json.loads(tc["function"]["arguments"]), SCHEMAS[tc["function"]["name"]])
+
+
+def test_n_choices_each_get_their_calls_whole_and_streamed(srv):
+    body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+            "max_tokens": 100, "temperature": 1.0, "seed": 3, "n": 2}
+    with srv.client() as c:
+        whole = c.post("/v1/chat/completions", json=body).json()["choices"]
+        with c.stream("POST", "/v1/chat/completions", json={**body, "stream": True}) as r:
+            events = sse_events(r.iter_lines())
+    streamed = {0: [], 1: []}
+    for e in events[:-1]:
+        for ch in e["choices"]:
+            streamed[ch["index"]] += ch["delta"].get("tool_calls") or []
+    for choice in whole:
+        assert choice["finish_reason"] == "tool_calls"
+        calls = choice["message"]["tool_calls"]
+        assert [c["function"] for c in calls] == [c["function"] for c in streamed[choice["index"]]]
+        assert calls[0]["function"]["name"] == "get_time"
+        jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), TIME)

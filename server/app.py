@@ -20,7 +20,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from server import routes_openai, routes_ops, routes_sequences
 from server.context import ServerContext
-from server.errors import APIError, install_error_handlers
+from server.errors import ERROR_RESPONSES, APIError, install_error_handlers, without_422
 from server.limits import BodySizeLimit, Limits
 
 log = logging.getLogger("cellserve.server")
@@ -76,10 +76,23 @@ def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str
                   description="Multi-sequence LLM inference over one shared pool of KV cells.", **docs)
     app.state.ctx = ctx
     install_error_handlers(app)
-    app.include_router(routes_ops.public)
+    app.include_router(routes_ops.public, responses=ERROR_RESPONSES)
     guarded = [Depends(require_api_key)]
     for router in (routes_openai.router, routes_sequences.router, routes_ops.router):
-        app.include_router(router, dependencies=guarded)
+        app.include_router(router, dependencies=guarded, responses=ERROR_RESPONSES)
+    _document_errors_only_as_sent(app)
     app.add_middleware(HeadAsGet)
     app.add_middleware(BodySizeLimit, limits=ctx.limits)
     return app
+
+
+def _document_errors_only_as_sent(app: FastAPI) -> None:
+    """The schema lists the error statuses the server sends (ERROR_RESPONSES), not FastAPI's 422."""
+    build = app.openapi
+
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            app.openapi_schema = without_422(build())
+        return app.openapi_schema
+
+    app.openapi = openapi

@@ -14,6 +14,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.errors import (
@@ -50,6 +51,44 @@ ENGINE_STATUS: dict[type[EngineError], int] = {
     QueueFull: 429,
     EngineUnavailable: 503,
 }
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorBody(BaseModel):
+    """Every error response: `{"error": {"message", "type", "param", "code"}}` (OpenAI's shape)."""
+
+    error: ErrorDetail
+
+
+# What the OpenAPI schema documents for every route (FastAPI's default 422 is never sent: see below).
+ERROR_RESPONSES: dict[int | str, dict] = {
+    status: {"model": ErrorBody, "description": why} for status, why in (
+        (400, "invalid request: the message says which field and why (param); also context_length_exceeded"),
+        (401, "missing or wrong API key"),
+        (404, "unknown route, sequence or request id"),
+        (405, "method not allowed on this route"),
+        (409, "the sequence is busy generating"),
+        (413, "request body over --max-body-bytes"),
+        (429, "waiting queue full; retry after Retry-After seconds"),
+        (500, "internal error (a bug; logged)"),
+        (503, "loading, shutting down, or the engine stopped"),
+    )
+}
+
+
+def without_422(schema: dict) -> dict:
+    """Validation failures are 400s here, never FastAPI's 422: drop 422 from every operation."""
+    for path in schema.get("paths", {}).values():
+        for op in path.values():
+            if isinstance(op, dict):
+                op.get("responses", {}).pop("422", None)
+    return schema
 
 
 class APIError(Exception):

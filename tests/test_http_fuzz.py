@@ -5,6 +5,8 @@ methods; then a derandomized fuzzing phase), for every operation, and sends them
 
 Guarantees, for every generated request:
 - no 5xx (`not_a_server_error`): whatever the body, path or method, the server answers 2xx or 4xx;
+- every status is one the schema documents (`status_code_conformance`: the error statuses of
+  `server.errors.ERROR_RESPONSES`, never an undocumented 422);
 - where the schema documents the status, the response's content type and body match it
   (`content_type_conformance`, `response_schema_conformance`): JSON where JSON is documented, SSE
   (`text/event-stream`) from the generation routes, Prometheus text from /metrics;
@@ -25,12 +27,13 @@ from schemathesis.checks import (
     content_type_conformance,
     not_a_server_error,
     response_schema_conformance,
+    status_code_conformance,
 )
 
 from server.app import build_app
 
 MAX_EXAMPLES = 15
-CHECKS = [not_a_server_error, content_type_conformance, response_schema_conformance]
+CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
 GENERATION_ROUTES = ["/v1/completions", "/v1/chat/completions", "/v1/sequences/{seq_id}/completions"]
 
 

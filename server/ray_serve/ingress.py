@@ -1,0 +1,267 @@
+"""The scale-out ingress: one OpenAI-compatible HTTP endpoint in front of N engine replicas.
+
+A FastAPI app served by uvicorn in the `cellserve serve --replicas` process (not Ray Serve's proxy: that
+proxy adds its own `X-Request-ID`, which would shadow the response id clients read there). It calls the
+replicas through Ray Serve deployment handles. It never parses a route's body beyond choosing a replica; the replica answers with the single server's own app, and
+this app relays status, headers and body (SSE chunk by chunk). Each response says which replica
+answered (`X-Cellserve-Replica`) and why (`X-Cellserve-Route`: `affinity`, `prefix` or `least-loaded`,
+see `routing`). Aggregated routes: `/health`, `/v1/models`, `/v1/cache`, `/metrics`, `GET /v1/sequences`.
+
+Faults: a replica that does not accept a request within `ACCEPT_TIMEOUT_S` (dead, restarting), or
+dies before answering, gives `503` with `Retry-After`; one that dies mid-stream ends the stream with
+an error event and `[DONE]`. Nothing waits forever on a dead replica; the other replicas keep serving.
+"""
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from ray import serve
+
+from server.errors import error_body
+from server.limits import BodySizeLimit, Limits
+from server.metrics import CONTENT_TYPE
+from server.ray_serve.routing import (
+    PREFIX_SLACK,
+    LoadBoard,
+    PrefixTable,
+    merge_metrics,
+    parse_id,
+    prompt_text,
+    replica_name,
+    routed_id,
+    sum_cache,
+)
+
+log = logging.getLogger("cellserve.ingress")
+ACCEPT_TIMEOUT_S = 30.0  # a replica that has not accepted a request by then is treated as down
+PROBE_TIMEOUT_S = 5.0  # /health and the load poll: a replica silent this long is degraded
+POLL_S = 0.5  # how often replica loads are refreshed for least-loaded routing
+RETRY_AFTER_S = 5
+HOP = {b"content-length", b"transfer-encoding", b"connection", b"keep-alive"}
+AGGREGATED_PATHS = ("/health", "/metrics", "/v1/models", "/v1/cache")
+
+
+class ReplicaDown(Exception):
+    """A replica died, or is not there, while this request needed it."""
+
+
+class ReplicaSet:
+    """The replicas' handles and what routing knows about them (one event loop: no locks)."""
+
+    def __init__(self, handles: list):
+        self.handles = handles
+        self.board = LoadBoard(len(handles))
+        self.prefixes = PrefixTable()
+        self.boots: list[str | None] = [None] * len(handles)
+        self._poller: asyncio.Task | None = None
+
+    def ensure_polling(self) -> None:
+        if self._poller is None or self._poller.done():
+            self._poller = asyncio.get_running_loop().create_task(self._poll())
+
+    async def _poll(self) -> None:
+        while True:
+            await self.infos()
+            await asyncio.sleep(POLL_S)
+
+    async def info(self, i: int) -> dict:
+        """`Replica.info()` of replica i, or a degraded entry saying why there is none."""
+        try:
+            info = await asyncio.wait_for(self.handles[i].info.remote(), PROBE_TIMEOUT_S)
+        except Exception as exc:  # noqa: BLE001 -- any failure is a degraded replica
+            why = "no answer (restarting?)" if isinstance(exc, TimeoutError) else f"{type(exc).__name__}: {exc}"
+            return {"replica": replica_name(i), "state": "unreachable", "error": why}
+        self.board.reported[i] = info["load"]
+        if self.boots[i] is not None and self.boots[i] != info["boot"]:
+            log.warning("replica %s restarted (boot %s -> %s)", info["replica"], self.boots[i], info["boot"])
+            self.prefixes.forget(i)
+        self.boots[i] = info["boot"]
+        if info["state"] == "ready":
+            self.board.mark_up(i)
+        return info
+
+    async def infos(self) -> list[dict]:
+        return list(await asyncio.gather(*(self.info(i) for i in range(len(self.handles)))))
+
+    def choose(self, path: str, body: bytes) -> tuple[int, str]:
+        some_id = routed_id(path)
+        parsed = parse_id(some_id) if some_id else None
+        if parsed is not None and parsed[0] < len(self.handles):
+            return parsed[0], "affinity"
+        text = prompt_text(path, body)
+        best = self.board.least_loaded()
+        if text is not None:
+            hit = self.prefixes.lookup(text)
+            if (hit is not None and self.board.up(hit)
+                    and self.board.load(hit) <= self.board.load(best) + PREFIX_SLACK):
+                best, policy = hit, "prefix"
+            else:
+                policy = "least-loaded"
+            self.prefixes.record(text, best)
+            return best, policy
+        return best, "least-loaded"
+
+    async def call(self, i: int, method: str, path: str, query: bytes, headers: list, body: bytes
+                   ) -> tuple[int, list, AsyncIterator[bytes]]:
+        """Send a request to replica i: (status, headers, body chunks). Raises ReplicaDown."""
+        gen = self.handles[i].options(stream=True).forward.remote(method, path, query, headers, body)
+        self.board.inflight[i] += 1
+        done = False
+        try:
+            try:
+                await asyncio.wait_for(gen.__anext__(), ACCEPT_TIMEOUT_S)  # ("accepted",)
+                start = await gen.__anext__()
+            except (Exception, TimeoutError) as exc:
+                raise self._down(i, exc) from exc
+            status, raw = start[1], start[2]
+        except BaseException:
+            done = True
+            self.board.inflight[i] -= 1
+            gen.cancel()
+            raise
+
+        async def chunks() -> AsyncIterator[bytes]:
+            try:
+                async for item in gen:
+                    yield item[1]
+            except Exception as exc:
+                raise self._down(i, exc) from exc
+            finally:
+                gen.cancel()
+                if not done:
+                    self.board.inflight[i] -= 1
+
+        return status, [(k, v) for k, v in raw if k.lower() not in HOP], chunks()
+
+    def _down(self, i: int, exc: BaseException) -> ReplicaDown:
+        self.board.mark_down(i)
+        why = "did not accept it in time" if isinstance(exc, TimeoutError) else f"failed ({type(exc).__name__})"
+        log.warning("replica %s %s", replica_name(i), why)
+        return ReplicaDown(f"replica {replica_name(i)} {why} while handling this request; it is being "
+                           f"restarted; retry in a few seconds")
+
+    async def fetch_json(self, i: int, path: str, headers: list) -> tuple[int, dict]:
+        status, _, chunks = await self.call(i, "GET", path, b"", headers, b"")
+        return status, json.loads(b"".join([c async for c in chunks]) or b"{}")
+
+
+def unavailable(message: str, **extra) -> JSONResponse:
+    return JSONResponse({**error_body(503, message, code="replica_unavailable"), **extra}, status_code=503,
+                        headers={"Retry-After": str(RETRY_AFTER_S)})
+
+
+def build_ingress_app(handles: list, limits: Limits) -> FastAPI:
+    """The ingress app over replica handles (`replica_handles`); run it with uvicorn like the single server."""
+    app = FastAPI(title="cellserve (scale-out)", redirect_slashes=False, docs_url=None, redoc_url=None,
+                  openapi_url=None)
+    app.state.replicas = ReplicaSet(list(handles))
+
+    def replicas(request: Request) -> ReplicaSet:
+        rs = request.app.state.replicas
+        rs.ensure_polling()
+        return rs
+
+    def fwd_headers(request: Request) -> list:
+        return [(k, v) for k, v in request.scope["headers"] if k.lower() not in HOP]
+
+    @app.get("/health")
+    async def health(request: Request) -> Response:
+        infos = await replicas(request).infos()
+        view = {i["replica"]: {k: i.get(k) for k in ("state", "error", "pid", "load")} for i in infos}
+        bad = [i for i in infos if i["state"] != "ready"]
+        if not bad:
+            return JSONResponse({"status": "ok", "replicas": view})
+        names = ", ".join(f"{i['replica']} ({i['state']}{': ' + i['error'] if i.get('error') else ''})" for i in bad)
+        return unavailable(f"degraded: {len(bad)} of {len(infos)} replicas not ready: {names}", replicas=view)
+
+    async def each(request: Request, path: str) -> dict[str, tuple[int, bytes, list]]:
+        rs = replicas(request)
+
+        async def one(i: int):
+            try:
+                status, headers, chunks = await rs.call(i, "GET", path, b"", fwd_headers(request), b"")
+                return status, b"".join([c async for c in chunks]), headers
+            except ReplicaDown as exc:
+                return 503, json.dumps(error_body(503, str(exc), code="replica_unavailable")).encode(), []
+
+        out = await asyncio.gather(*(one(i) for i in range(len(rs.handles))))
+        return {replica_name(i): r for i, r in enumerate(out)}
+
+    @app.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        got = await each(request, "/metrics")
+        text = merge_metrics({name: body.decode() for name, (status, body, _) in got.items() if status == 200})
+        return Response(text, media_type=CONTENT_TYPE)
+
+    @app.get("/v1/cache")
+    async def cache(request: Request) -> Response:
+        got = await each(request, "/v1/cache")
+        first_error = next(((s, b) for s, b, _ in got.values() if s != 200), None)
+        if first_error is not None and first_error[0] != 503:
+            return Response(first_error[1], status_code=first_error[0], media_type="application/json")
+        views = {name: json.loads(body) for name, (status, body, _) in got.items() if status == 200}
+        down = [name for name, (status, _, _) in got.items() if status != 200]
+        return JSONResponse({**sum_cache(views), "unavailable_replicas": down})
+
+    @app.get("/v1/sequences")
+    async def list_sequences(request: Request) -> Response:
+        got = await each(request, "/v1/sequences")
+        for status, body, _ in got.values():
+            if status not in (200, 503):
+                return Response(body, status_code=status, media_type="application/json")
+        data = [dict(s, replica=name) for name, (status, body, _) in got.items() if status == 200
+                for s in json.loads(body)["data"]]
+        return JSONResponse({"object": "list", "data": data})
+
+    @app.api_route("/{path:path}", methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"])
+    async def proxy(request: Request) -> Response:
+        rs = replicas(request)
+        body = await request.body()
+        path = request.url.path
+        if path == "/v1/models":  # any ready replica: they serve the same model
+            i, policy = rs.board.least_loaded(), "least-loaded"
+        else:
+            i, policy = rs.choose(path, body)
+        route = {"X-Cellserve-Route": policy, "X-Cellserve-Replica": replica_name(i)}
+        try:
+            status, headers, chunks = await rs.call(i, request.method, path, request.scope["query_string"],
+                                                    fwd_headers(request), body)
+        except ReplicaDown as exc:
+            return unavailable(str(exc), replica=replica_name(i))
+        streaming = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
+        if streaming:
+            response = StreamingResponse(relay(chunks), status_code=status)
+        else:
+            try:
+                content = b"".join([c async for c in chunks])
+            except ReplicaDown as exc:
+                return unavailable(str(exc), replica=replica_name(i))
+            response = Response(content, status_code=status)
+        for k, v in headers:
+            response.headers.append(k.decode("latin-1"), v.decode("latin-1"))
+        response.headers.update(route)
+        return response
+
+    app.add_middleware(BodySizeLimit, limits=limits)
+    return app
+
+
+async def relay(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    """SSE chunks as the replica sends them; if the replica dies, an error event and `[DONE]`."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+    except ReplicaDown as exc:
+        yield f"data: {json.dumps(error_body(503, str(exc), code='replica_unavailable'))}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+    finally:
+        await chunks.aclose()
+
+
+def replica_handles(app_name: str, n: int) -> list:
+    """Handles to the N replica deployments of a running application (`launch.deploy`)."""
+    return [serve.get_deployment_handle(f"replica-{i}", app_name=app_name) for i in range(n)]

@@ -1,0 +1,214 @@
+"""Scale-out on Ray Serve, end to end: a real local Ray instance, 2 replicas of the tiny model, one ingress.
+
+Everything goes over HTTP through Ray Serve's proxy, as a client would: completions, chat, streaming,
+errors, sequences with forks across many sequences (each operation must land on the replica that
+holds the sequence, checked against every replica's own `/v1/cache`), cancel, the aggregated routes,
+and the fault case (a replica's process SIGKILLed mid-generation: its in-flight requests end with a
+503 or an error event, the other replica keeps serving, Ray Serve restarts it, its old sequences
+answer 404 saying it restarted). Ray is started once for the module (~30 s on 2 cores) and shut down
+after it (`serve.shutdown`, `ray.shutdown`); the test is skipped without the `ray` extra.
+"""
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+import uvicorn
+from tiny_models import save_tiny_model_dir
+
+pytest.importorskip("ray.serve")
+
+from server.cli import serve_parser
+from server.ray_serve.launch import deploy, start_ray, teardown
+from server.ray_serve.routing import parse_id
+
+LONG = 4000  # tokens: far more ticks than any mid-stream action needs
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory):
+    """Ray (local, 2 CPUs, small object store), 2 replicas, and the ingress on uvicorn in a thread."""
+    model = str(save_tiny_model_dir(tmp_path_factory.mktemp("tiny-ray"), seed=0, max_positions=4096))
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    args = serve_parser(argparse.ArgumentParser()).parse_args(
+        ["--model", model, "--n-cells", "16384", "--replicas", "2", "--threads-per-replica", "1",
+         "--served-model-name", "tiny-llama", "--log-level", "warning", "--shutdown-grace", "1"])
+    start_ray(None, 2, 1)
+    server = None
+    try:
+        app = deploy(args)
+        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
+        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+        thread.start()
+        while not server.started:
+            assert thread.is_alive(), "the ingress did not start; see the log above"
+            time.sleep(0.02)
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+    finally:
+        if server is not None:
+            server.should_exit = True
+            thread.join(30)
+        sock.close()
+        teardown(joined=False)
+
+
+def client(url: str) -> httpx.Client:
+    return httpx.Client(base_url=url, timeout=120)
+
+
+def replica_of(some_id: str) -> str:
+    parsed = parse_id(some_id)
+    assert parsed is not None, f"{some_id!r} carries no replica tag"
+    return f"r{parsed[0]}"
+
+
+def test_core_routes_through_the_ingress(url):
+    with client(url) as c:
+        health = c.get("/health")
+        assert health.status_code == 200 and set(health.json()["replicas"]) == {"r0", "r1"}
+        assert c.get("/v1/models").json()["data"][0]["id"] == "tiny-llama"
+
+        seen = set()
+        for _ in range(4):
+            r = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4, "temperature": 0})
+            assert r.status_code == 200, r.text
+            assert r.headers["x-cellserve-route"] == "least-loaded"
+            assert r.headers["x-request-id"] == r.json()["id"] and replica_of(r.json()["id"]) == \
+                r.headers["x-cellserve-replica"]
+            seen.add(r.headers["x-cellserve-replica"])
+        assert seen == {"r0", "r1"}  # idle replicas tie: the rotation spreads them
+
+        chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                    "max_tokens": 4})
+        assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
+
+        bad = c.post("/v1/completions", json={"prompt": "x", "max_tokens": -1})
+        assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
+        assert c.get("/v1/sequences/seq-nope").status_code == 404
+
+        with c.stream("POST", "/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}) as s:
+            assert s.headers["content-type"].startswith("text/event-stream")
+            events = [line for line in s.iter_lines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and len(events) >= 3
+        assert json.loads(events[0][6:])["object"] == "chat.completion.chunk"
+
+        metrics = c.get("/metrics").text
+        assert 'replica="r0"' in metrics and 'replica="r1"' in metrics
+        assert metrics.count("# TYPE cellserve:cells_total gauge") == 1
+        cache = c.get("/v1/cache").json()
+        assert cache["cells"]["total"] == sum(v["cells"]["total"] for v in cache["replicas"].values())
+
+
+def test_sequence_operations_never_cross_replicas(url):
+    """Many sequences, forks of forks, continuations, truncates and deletes: each lands where its id says."""
+    ops = {"n": 0}
+
+    async def run() -> list[str]:
+        async with httpx.AsyncClient(base_url=url, timeout=120) as c:
+            async def op(method: str, path: str, **kw) -> dict:
+                r = await c.request(method, path, **kw)
+                assert r.status_code == 200, (path, r.text)
+                if "/v1/sequences/" in path:
+                    assert r.headers["x-cellserve-route"] == "affinity"
+                    assert r.headers["x-cellserve-replica"] == replica_of(path.split("/")[3])
+                ops["n"] += 1
+                return r.json()
+
+            async def family(k: int) -> list[str]:
+                root = await op("POST", "/v1/sequences", json={"prompt": f"story {k}:"})
+                ids = [root["id"]]
+                for j in range(6):
+                    parent = ids[j % len(ids)]
+                    await op("POST", f"/v1/sequences/{parent}/completions", json={"max_tokens": 2, "temperature": 0})
+                    child = await op("POST", f"/v1/sequences/{parent}/fork", json={})
+                    assert replica_of(child["id"]) == replica_of(parent)  # a fork stays on its parent's replica
+                    ids.append(child["id"])
+                    await op("POST", f"/v1/sequences/{child['id']}/truncate", json={"length": 2})
+                    await op("GET", f"/v1/sequences/{child['id']}")
+                await op("DELETE", f"/v1/sequences/{ids.pop()}")
+                return ids
+
+            families = await asyncio.gather(*(family(k) for k in range(16)))
+            return [i for ids in families for i in ids]
+
+    kept = asyncio.run(run())
+    assert ops["n"] >= 16 * 26
+    assert {replica_of(i) for i in kept} == {"r0", "r1"}
+    with client(url) as c:
+        cache = c.get("/v1/cache").json()
+        listed = {s["id"]: s["replica"] for s in c.get("/v1/sequences").json()["data"]}
+    for name, view in cache["replicas"].items():
+        assert all(replica_of(s["id"]) == name for s in view["sequences"])
+    assert set(kept) <= set(listed) and all(listed[i] == replica_of(i) for i in kept)
+
+
+def test_cancel_goes_to_the_replica_running_the_request(url):
+    with client(url) as c, c.stream("POST", "/v1/completions", json={
+            "prompt": "a", "max_tokens": LONG, "stream": True, "ignore_eos": True}) as s:
+        rid = s.headers["x-request-id"]
+        lines = s.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        with client(url) as c2:
+            r = c2.post(f"/v1/requests/{rid}/cancel")
+        assert r.status_code == 200 and r.headers["x-cellserve-route"] == "affinity", r.text
+        assert r.headers["x-cellserve-replica"] == replica_of(rid)
+        chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "cancelled"
+
+
+def test_killed_replica_fails_fast_restarts_and_says_so(url):
+    with client(url) as c:
+        seqs = [c.post("/v1/sequences", json={"prompt": f"s{k}"}).json()["id"] for k in range(4)]
+        victim = next(s for s in seqs if replica_of(s) == "r1")
+        survivor = next(s for s in seqs if replica_of(s) == "r0")
+        spare = [s for s in seqs if replica_of(s) == "r1" and s != victim]
+        pid = c.get("/health").json()["replicas"]["r1"]["pid"]
+
+    results: dict = {}
+
+    def blocking_call():  # a non-streaming request in flight on r1
+        if not spare:
+            return
+        with client(url) as c3:
+            results["blocking"] = c3.post(f"/v1/sequences/{spare[0]}/completions",
+                                          json={"max_tokens": LONG, "ignore_eos": True})
+
+    t = threading.Thread(target=blocking_call)
+    with client(url) as c, c.stream("POST", f"/v1/sequences/{victim}/completions", json={
+            "max_tokens": LONG, "stream": True, "ignore_eos": True}) as s:
+        lines = s.iter_lines()
+        next(line for line in lines if line.startswith("data: "))
+        t.start()
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        os.kill(pid, signal.SIGKILL)
+        tail = [line for line in lines if line.startswith("data: ")]
+        assert time.monotonic() - t0 < 30
+    t.join(60)
+    assert tail[-1] == "data: [DONE]"
+    err = json.loads(tail[-2][6:])["error"]
+    assert err["code"] == "replica_unavailable" and "r1" in err["message"]
+    if spare:
+        assert results["blocking"].status_code == 503 and "retry-after" in results["blocking"].headers
+
+    with client(url) as c:
+        r = c.post(f"/v1/sequences/{survivor}/completions", json={"max_tokens": 2})
+        assert r.status_code == 200, r.text  # the other replica kept serving
+        deadline = time.monotonic() + 90
+        while (h := c.get("/health")).status_code != 200 or h.json()["replicas"]["r1"]["pid"] == pid:
+            if h.status_code != 200:
+                assert "r1" in h.json()["error"]["message"] and "r0" not in h.json()["error"]["message"]
+            assert time.monotonic() < deadline, "replica r1 was not restarted within 90 s"
+            time.sleep(0.5)
+        gone = c.post(f"/v1/sequences/{victim}/completions", json={"max_tokens": 2})
+        assert gone.status_code == 404 and "restarted" in gone.json()["error"]["message"]
+        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200

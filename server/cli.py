@@ -87,6 +87,12 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-choices", type=_positive_int, default=DEFAULT_MAX_CHOICES,
                    help="choices (prompts x n) in one request (400 beyond)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+    scale = p.add_argument_group("scale-out on Ray Serve (pip install 'cellserve[ray]')")
+    scale.add_argument("--replicas", type=_positive_int, default=None,
+                       help="run N engine replicas behind one endpoint (Ray Serve); see README 'Scale-out'")
+    scale.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local Ray)")
+    scale.add_argument("--threads-per-replica", type=_positive_int, default=None,
+                       help="torch threads (and Ray CPUs) per replica")
     return p
 
 
@@ -237,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("pull", "models"):
         return pull_command(args.name, args.dtype) if args.command == "pull" else models_command()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.replicas is not None:  # Ray is imported only here (an optional extra)
+        from server.ray_serve.launch import run_replicated
+
+        return run_replicated(args)
     return run_server(args)
 
 

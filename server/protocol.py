@@ -11,57 +11,34 @@ Guarantees:
 - Polymorphic fields (`prompt`, `stop`, message `content`) are checked by hand-written validators
   and normalised to one shape, so routes never re-check them and error locations stay plain field
   paths (no pydantic union tags).
-Responses are plain dicts built in `server.responses`, in OpenAI's exact shapes.
+Responses are plain dicts built in `server.responses`, in OpenAI's exact shapes. The base model lives in
+`server.protocol_base`; structured-output and tool schemas and the refused/ignored field tables in
+`server.protocol_fields`.
 """
 
 import json
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from server.protocol_base import ParamError, StrictModel
+from server.protocol_fields import (
+    CHAT_ONLY,
+    COMPLETIONS_ONLY,
+    GUIDED_BACKENDS,
+    GUIDED_FIELDS,
+    UNSUPPORTED,
+    NamedToolChoice,
+    ResponseFormat,
+    Tool,
+    ToolCall,
+    reject_unsupported,
+    template_arguments,
+)
 
 MAX_LOGPROBS = 20
 MAX_N = 64
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
-
-
-class StrictModel(BaseModel):
-    """Strict types, unknown fields ignored, and an explicit `null` means "use the default" (as OpenAI)."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            _check_text(data, "")
-            return {k: v for k, v in data.items() if v is not None}
-        return data
-
-
-class ParamError(ValueError):
-    """A cross-field problem that still names its param (kept by pydantic in the error's ctx)."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
-
-
-def _check_text(value: Any, path: str) -> None:
-    """Every string in the body must be encodable Unicode: JSON allows escapes of lone surrogates
-    (`"\\ud800"`), which no tokenizer can take. Raises naming the field instead of failing later."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ParamError(path or "body", f"contains an unpaired surrogate (U+{ord(value[exc.start]):04X}) at "
-                             f"character {exc.start}, which is not valid Unicode text; send UTF-8 text") from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_text(key, path or "body")
-            _check_text(item, f"{path}.{key}" if path else str(key))
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _check_text(item, f"{path}[{i}]")
 
 
 def _is_token_list(value: Any) -> bool:
@@ -93,54 +70,8 @@ def normalize_single_prompt(value: Any) -> str | list[int] | None:
     raise ValueError("prompt must be a string or a non-empty list of non-negative token ids")
 
 
-# field -> the values that mean "off" (accepted and ignored); any other value is a 400 naming the field.
-UNSUPPORTED: dict[str, tuple] = {
-    "best_of": (1,), "use_beam_search": (False,), "length_penalty": (1, 1.0), "early_stopping": (False,),
-    "min_tokens": (0,), "allowed_token_ids": (), "bad_words": ([],), "include_stop_str_in_output": (False,),
-    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
-    "guided_whitespace_pattern": (), "structural_tag": (), "logits_processors": ([],), "typical_p": (1, 1.0),
-    "top_a": (0, 0.0), "tfs_z": (1, 1.0), "mirostat": (0,), "n_probs": (0,), "grammar": ("",), "json_schema": (),
-    "return_tokens_as_token_ids": (False,), "prompt_logprobs": (), "priority": (0,), "kv_transfer_params": (),
-    "vllm_xargs": (), "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (),
-    "web_search_options": (), "functions": (), "function_call": ("none",), "documents": (), "chat_template": (),
-    "chat_template_kwargs": (), "continue_final_message": (False,), "mm_processor_kwargs": (),
-    "verbosity": (), "bad_words_ids": (), "min_length": (0,), "thinking": (),
-}
-# Fields of one route that another route does not honour (e.g. `tools` sent to /v1/completions).
-CHAT_ONLY: dict[str, tuple] = {"tools": ([],), "tool_choice": ("none",), "max_completion_tokens": (),
-                               "top_logprobs": ()}
-COMPLETIONS_ONLY: dict[str, tuple] = {"echo": (False,), "suffix": ("",)}
-# Accepted and ignored: they change nothing this server computes (listed in the README).
-IGNORED = ("model", "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-           "request_id", "parallel_tool_calls (without tools)")
-GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
-GUIDED_BACKENDS = ("xgrammar", "auto")
-
-
-def _reject_unsupported(data: dict, unsupported: dict[str, tuple]) -> None:
-    for name, off in unsupported.items():
-        value = data.get(name)
-        if value is None or any(value == v and type(value) is type(v) for v in off):
-            continue
-        raise ParamError(name, f"'{name}' is not supported by this server (got {value!r}); remove it"
-                         + (f" or send {off[0]!r}" if off else ""))
-
-
 class StreamOptions(StrictModel):
     include_usage: bool = False
-
-
-class FunctionCall(StrictModel):
-    name: str = Field(min_length=1)
-    arguments: str | dict[str, Any] = "{}"
-
-
-class ToolCall(StrictModel):
-    """An assistant's earlier call, sent back in a follow-up turn (OpenAI's shape)."""
-
-    id: str | None = None
-    type: Literal["function"] = "function"
-    function: FunctionCall
 
 
 class ChatMessage(StrictModel):
@@ -182,69 +113,8 @@ class ChatMessage(StrictModel):
             out["tool_call_id"] = self.tool_call_id
         if self.tool_calls:
             out["tool_calls"] = [{"id": c.id, "type": "function", "function": {
-                "name": c.function.name, "arguments": _arguments(c.function.arguments)}} for c in self.tool_calls]
+                "name": c.function.name, "arguments": template_arguments(c.function.arguments)}} for c in self.tool_calls]
         return out
-
-
-def _arguments(args: str | dict) -> dict | str:
-    if isinstance(args, str):
-        try:
-            parsed = json.loads(args)
-        except ValueError:
-            return args
-        return parsed if isinstance(parsed, dict) else args
-    return args
-
-
-class FunctionDef(StrictModel):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-    def as_dict(self) -> dict:
-        out: dict[str, Any] = {"name": self.name}
-        if self.description is not None:
-            out["description"] = self.description
-        out["parameters"] = self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
-        return out
-
-
-class Tool(StrictModel):
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class NamedFunction(StrictModel):
-    name: str
-
-
-class NamedToolChoice(StrictModel):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class JsonSchemaFormat(StrictModel):
-    """`response_format.json_schema`: the output must be JSON valid against `schema` (always enforced by
-    the grammar, so `strict` true or false both get schema-valid JSON)."""
-
-    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
-    name: str = Field(min_length=1, max_length=256)
-    schema_: dict[str, Any] = Field(alias="schema")
-    strict: bool | None = None
-    description: str | None = None
-
-
-class ResponseFormat(StrictModel):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_present(self):
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ParamError("response_format", "type json_schema needs a json_schema object: "
-                             "{'name': ..., 'schema': {...}, 'strict': true}")
-        return self
 
 
 class SamplingFields(StrictModel):
@@ -256,7 +126,7 @@ class SamplingFields(StrictModel):
     @classmethod
     def _unsupported_fields(cls, data: Any) -> Any:
         if isinstance(data, dict):
-            _reject_unsupported(data, cls.unsupported)
+            reject_unsupported(data, cls.unsupported)
         return data
 
     model: str | None = None

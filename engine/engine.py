@@ -24,6 +24,8 @@ from engine.outputs import (
     SequenceInfo,
     TokenLogprob,
 )
+from engine.prompt_logprobs import ScoredSequence, take_prompt_logprobs
+from engine.prompt_logprobs import prompt_rows as plp_rows
 from engine.runner import ModelRunner
 from engine.sampling import Sampler, SamplingParams, check_stop_token, make_generator
 from engine.scheduler import Chunk, Scheduler
@@ -179,7 +181,7 @@ class Engine:
         if not chunks:
             return outputs
         sample_chunks = [c for c in chunks if c.completes and c.seq.wants_logits]
-        prompt_rows = _prompt_rows(chunks)
+        prompt_rows = plp_rows(chunks)
         flat = _flatten(chunks, sample_chunks, prompt_rows)
         try:
             logits = self.runner.forward(*flat)
@@ -194,7 +196,7 @@ class Engine:
         if prompt_rows:  # rows after the sampling ones: prompt logprobs (echo, lm-eval)
             lp_chunks = [c for c in chunks if id(c) in prompt_rows]
             try:
-                self._take_prompt_logprobs(lp_chunks, prompt_rows, logits[len(sample_chunks):])
+                take_prompt_logprobs(lp_chunks, prompt_rows, logits[len(sample_chunks):])
             except Exception as exc:
                 log.exception("prompt logprobs failed; failing the %d sequences that asked", len(lp_chunks))
                 self._fail_step(lp_chunks, exc, outputs)
@@ -253,41 +255,6 @@ class Engine:
         self.generated_tokens += len(seqs)
         for req, choices in news.items():
             outputs.append(self._emit(req, choices))
-
-    @staticmethod
-    def _take_prompt_logprobs(chunks: list[Chunk], rows: dict[int, int], logits) -> None:
-        """Append the logprobs of the prompt tokens these chunks' rows predict (row p predicts token p+1):
-        one log_softmax, gather and top-k per chunk. Rows already taken (a re-prefill after preemption)
-        are skipped; rows never computed are an error, never a silent gap."""
-        at = 0
-        for c in chunks:
-            k = rows[id(c)]
-            block, at = logits[at : at + k], at + k
-            req = c.seq.request
-            if req is None or req.finished:
-                continue
-            plp = req.prompt_logprobs
-            have = len(plp.logprobs) - 1  # rows taken so far: positions [0, have)
-            if c.start > have:
-                raise RuntimeError(f"prompt logprobs of positions [{have}, {c.start}) were never computed")
-            skip = have - c.start
-            if skip >= k:
-                continue
-            targets = c.seq.token_ids[c.start + skip + 1 : c.start + k + 1]
-            lp = torch.log_softmax(block[skip:].float(), dim=-1)
-            chosen_t = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])
-            ranks = ((lp > chosen_t).sum(dim=-1) + 1).tolist()
-            chosen = chosen_t[:, 0].tolist()
-            n_top = req.params.prompt_logprobs
-            if n_top:
-                top_v, top_i = lp.topk(n_top, dim=-1)
-                tops = [list(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
-            else:
-                tops = [[] for _ in targets]
-            plp.token_ids.extend(targets)
-            plp.logprobs.extend(chosen)
-            plp.top.extend(tops)
-            plp.ranks.extend(ranks)
 
     def _spawn_children(self, parent: Sequence) -> list[Sequence]:
         """n > 1: the prompt was prefilled once; fork n-1 children that share its cells."""
@@ -480,14 +447,6 @@ class Engine:
         return self.cache.free_cells() - before
 
 
-class ScoredSequence(Sequence):
-    """The sequence of a request that scores its prompt (prompt logprobs): every prompt row's logits must be
-    computed by its own prefill, so the scheduler's prefix-cache lookup always reads as done and never
-    shares a cached prefix into it, on first admission or after a preemption."""
-
-    lookup_done = property(lambda self: True, lambda self, value: None)
-
-
 def _flatten(chunks: list[Chunk], sample_chunks: list[Chunk], prompt_rows: dict[int, int] | None = None) -> FlatStep:
     """The flat step, keeping logits only for the chunks that sample (at least one row: 0 means all),
     then, in chunk order, the first `prompt_rows[id(chunk)]` rows of chunks whose prompt logprobs are
@@ -500,19 +459,6 @@ def _flatten(chunks: list[Chunk], sample_chunks: list[Chunk], prompt_rows: dict[
              for i, c in enumerate(chunks) if prompt_rows and id(c) in prompt_rows]
     step.logits_indices = torch.cat([last[pick], *extra]) if pick or extra else last[[0]]
     return step
-
-
-def _prompt_rows(chunks: list[Chunk]) -> dict[int, int]:
-    """id(chunk) -> how many of its first rows predict prompt tokens of a request that wants their
-    logprobs (positions up to the prompt's second-to-last token; the last one's row samples)."""
-    out = {}
-    for c in chunks:
-        req = c.seq.request
-        if req is not None and req.prompt_logprobs is not None and c.seq.index == 0:
-            k = min(c.start + c.n_tokens, len(req.prompt_ids) - 1) - c.start
-            if k > 0:
-                out[id(c)] = k
-    return out
 
 
 def _end_unforked(req: Request, choices: dict[int, CompletionOutput]) -> None:

@@ -9,55 +9,105 @@ answer 404 saying it restarted). Ray is started once for the module (~30 s on 2 
 after it (`serve.shutdown`, `ray.shutdown`); the test is skipped without the `ray` extra.
 """
 
-import argparse
 import asyncio
 import json
 import os
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
 import pytest
-import uvicorn
 from tiny_models import save_tiny_model_dir
 
 pytest.importorskip("ray.serve")
 
-from server.cli import serve_parser
-from server.ray_serve.launch import deploy, start_ray, teardown
-from server.ray_serve.routing import parse_id
+from server.ray_serve.routing import merge_metrics, parse_id, routed_id
 
 LONG = 4000  # tokens: far more ticks than any mid-stream action needs
+FAMILIES = 40  # x 26 operations each: over 1,000 sequence operations in the affinity test
+
+
+def descendants(pid: int) -> set[int]:
+    """Every live process below `pid` (Ray's gcs_server, raylet, workers, replicas...), from /proc."""
+    parent = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    found, frontier = set(), {pid}
+    while frontier:
+        frontier = {p for p, pp in parent.items() if pp in frontier} - found
+        found |= frontier
+    return found
 
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    """Ray (local, 2 CPUs, small object store), 2 replicas, and the ingress on uvicorn in a thread."""
-    model = str(save_tiny_model_dir(tmp_path_factory.mktemp("tiny-ray"), seed=0, max_positions=4096))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    args = serve_parser(argparse.ArgumentParser()).parse_args(
-        ["--model", model, "--n-cells", "16384", "--replicas", "2", "--threads-per-replica", "1",
-         "--served-model-name", "tiny-llama", "--log-level", "warning", "--shutdown-grace", "1"])
-    start_ray(None, 2, 1)
-    server = None
+    """`cellserve serve --replicas 2` (a local Ray, 2 CPUs, small object store) as a user runs it; on
+    teardown SIGTERM must make it exit 0 and leave none of the processes it started behind."""
+    tmp = tmp_path_factory.mktemp("tiny-ray")
+    model = str(save_tiny_model_dir(tmp / "model", seed=0, max_positions=4096))
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    log = open(tmp / "serve.log", "w+")  # noqa: SIM115 -- closed in the fixture's finally
+    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", model, "--port", str(port), "--n-cells", "16384",
+           "--replicas", "2", "--threads-per-replica", "1", "--served-model-name", "tiny-llama",
+           "--log-level", "warning", "--shutdown-grace", "1"]
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
     try:
-        app = deploy(args)
-        server = uvicorn.Server(uvicorn.Config(app, log_level="warning", timeout_graceful_shutdown=2))
-        thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-        thread.start()
-        while not server.started:
-            assert thread.is_alive(), "the ingress did not start; see the log above"
-            time.sleep(0.02)
-        yield f"http://127.0.0.1:{sock.getsockname()[1]}"
+        deadline = time.monotonic() + 150
+        while True:
+            assert proc.poll() is None, f"cellserve serve --replicas exited: {tail(log)}"
+            assert time.monotonic() < deadline, f"not ready within 150 s: {tail(log)}"
+            try:
+                if httpx.get(base + "/health", timeout=5).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            time.sleep(0.5)
+        yield base
     finally:
-        if server is not None:
-            server.should_exit = True
-            thread.join(30)
-        sock.close()
-        teardown(joined=False)
+        started = descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        try:
+            rc = proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)  # its own session: only what this test started
+            rc = proc.wait(10)
+        deadline = time.monotonic() + 20
+        while (left := started & descendants(1)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        log_tail = tail(log)
+        log.close()
+    assert rc == 0, f"SIGTERM: exit status {rc}: {log_tail}"
+    assert not alive(left), f"processes left behind: {sorted(alive(left))}"
+
+
+def tail(log, n: int = 3000) -> str:
+    log.flush()
+    log.seek(0)
+    return log.read()[-n:]
+
+
+def alive(pids: set[int]) -> set[int]:
+    out = set()
+    for p in pids:
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                    out.add(p)
+        except OSError:
+            pass
+    return out
 
 
 def client(url: str) -> httpx.Client:
@@ -137,11 +187,11 @@ def test_sequence_operations_never_cross_replicas(url):
                 await op("DELETE", f"/v1/sequences/{ids.pop()}")
                 return ids
 
-            families = await asyncio.gather(*(family(k) for k in range(16)))
+            families = await asyncio.gather(*(family(k) for k in range(FAMILIES)))
             return [i for ids in families for i in ids]
 
     kept = asyncio.run(run())
-    assert ops["n"] >= 16 * 26
+    assert ops["n"] >= 1000
     assert {replica_of(i) for i in kept} == {"r0", "r1"}
     with client(url) as c:
         cache = c.get("/v1/cache").json()
@@ -167,19 +217,18 @@ def test_cancel_goes_to_the_replica_running_the_request(url):
 
 def test_killed_replica_fails_fast_restarts_and_says_so(url):
     with client(url) as c:
-        seqs = [c.post("/v1/sequences", json={"prompt": f"s{k}"}).json()["id"] for k in range(4)]
-        victim = next(s for s in seqs if replica_of(s) == "r1")
-        survivor = next(s for s in seqs if replica_of(s) == "r0")
-        spare = [s for s in seqs if replica_of(s) == "r1" and s != victim]
+        seqs: dict[str, list[str]] = {"r0": [], "r1": []}
+        while len(seqs["r1"]) < 2 or not seqs["r0"]:
+            made = c.post("/v1/sequences", json={"prompt": "s"}).json()["id"]
+            seqs[replica_of(made)].append(made)
+        (victim, other), survivor = seqs["r1"][:2], seqs["r0"][0]
         pid = c.get("/health").json()["replicas"]["r1"]["pid"]
 
     results: dict = {}
 
     def blocking_call():  # a non-streaming request in flight on r1
-        if not spare:
-            return
         with client(url) as c3:
-            results["blocking"] = c3.post(f"/v1/sequences/{spare[0]}/completions",
+            results["blocking"] = c3.post(f"/v1/sequences/{other}/completions",
                                           json={"max_tokens": LONG, "ignore_eos": True})
 
     t = threading.Thread(target=blocking_call)
@@ -197,8 +246,8 @@ def test_killed_replica_fails_fast_restarts_and_says_so(url):
     assert tail[-1] == "data: [DONE]"
     err = json.loads(tail[-2][6:])["error"]
     assert err["code"] == "replica_unavailable" and "r1" in err["message"]
-    if spare:
-        assert results["blocking"].status_code == 503 and "retry-after" in results["blocking"].headers
+    assert results["blocking"].status_code == 503 and "retry-after" in results["blocking"].headers
+    assert "r1" in results["blocking"].json()["error"]["message"]
 
     with client(url) as c:
         r = c.post(f"/v1/sequences/{survivor}/completions", json={"max_tokens": 2})
@@ -212,3 +261,33 @@ def test_killed_replica_fails_fast_restarts_and_says_so(url):
         gone = c.post(f"/v1/sequences/{victim}/completions", json={"max_tokens": 2})
         assert gone.status_code == 404 and "restarted" in gone.json()["error"]["message"]
         assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_prefix_routing_follows_the_cached_prompt(url):
+    """A repeated long system prompt goes back to the replica that cached it, and hits its prefix cache."""
+    system = "You are a terse assistant who answers in one line. " * 8
+    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}], "max_tokens": 2}
+    with client(url) as c:
+        first = c.post("/v1/chat/completions", json=body)
+        again = [c.post("/v1/chat/completions", json=body) for _ in range(3)]
+    assert first.status_code == 200
+    for r in again:
+        assert r.headers["x-cellserve-route"] == "prefix", r.headers
+        assert r.headers["x-cellserve-replica"] == first.headers["x-cellserve-replica"]
+        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+def test_single_server_does_not_import_ray():
+    code = "import sys, server.cli, server.app; sys.exit('ray' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+def test_routing_helpers():
+    assert routed_id("/v1/sequences/seq-x/fork") == "seq-x" and routed_id("/v1/requests/cmpl-y/cancel") == "cmpl-y"
+    assert routed_id("/v1/sequences") is None and parse_id("seq-" + "a" * 32) is None
+    assert parse_id("seq-r12-0badf00d-" + "a" * 32) == (12, "0badf00d")
+    text = {"r0": '# HELP x_total X.\n# TYPE x_total counter\nx_total{k="a"} 1.0\n# TYPE y gauge\ny 2.0\n',
+            "r1": '# HELP x_total X.\n# TYPE x_total counter\nx_total{k="a"} 3.0\n# TYPE y gauge\ny 4.0\n'}
+    assert merge_metrics(text).splitlines() == [
+        "# HELP x_total X.", "# TYPE x_total counter", 'x_total{replica="r0",k="a"} 1.0',
+        'x_total{replica="r1",k="a"} 3.0', "# TYPE y gauge", 'y{replica="r0"} 2.0', 'y{replica="r1"} 4.0']

@@ -11,6 +11,7 @@ running). Serve's own HTTP proxy is not started: the ingress here is the one end
 import argparse
 import logging
 import os
+import signal
 
 from server.limits import Limits
 
@@ -56,6 +57,22 @@ def teardown(joined: bool) -> None:
         ray.shutdown()
 
 
+def ingress_server():
+    import uvicorn
+
+    class IngressServer(uvicorn.Server):
+        """uvicorn whose SIGTERM/SIGINT only ends serving: it is not re-raised afterwards (uvicorn's own
+        handler re-raises it, and Ray's driver handler turns that into exit status 15), so the command
+        tears Ray down and exits 0. A second SIGINT forces the exit."""
+
+        def handle_exit(self, sig, frame) -> None:
+            if self.should_exit and sig == signal.SIGINT:
+                self.force_exit = True
+            self.should_exit = True
+
+    return IngressServer
+
+
 def run_replicated(args: argparse.Namespace) -> int:
     try:
         import ray  # noqa: F401
@@ -63,6 +80,7 @@ def run_replicated(args: argparse.Namespace) -> int:
     except ImportError:
         log.error("--replicas needs Ray Serve: pip install 'cellserve[ray]' (or pip install 'ray[serve]')")
         return 2
+
     import uvicorn
 
     from server.cli import KEEP_ALIVE_S
@@ -77,7 +95,7 @@ def run_replicated(args: argparse.Namespace) -> int:
                                 timeout_keep_alive=KEEP_ALIVE_S,
                                 timeout_graceful_shutdown=max(1, int(args.shutdown_grace)))
         log.info("cellserve (%d replicas) listening on http://%s:%d", args.replicas, args.host, args.port)
-        uvicorn.Server(config).run()  # SIGTERM/SIGINT: stop accepting, finish in-flight, return
+        ingress_server()(config).run()  # SIGTERM/SIGINT: stop accepting, finish in-flight, return
         log.info("stopping: %s", "deleting the application" if args.ray_address else "shutting Ray down")
     finally:
         teardown(joined=bool(args.ray_address))

@@ -8,6 +8,7 @@ commands to the step boundary.
 """
 
 import logging
+import threading
 import time
 
 import torch
@@ -61,6 +62,7 @@ class Engine:
         self.vocab_size = runner.config.get_text_config().vocab_size
         self.steps = self.generated_tokens = self.prompt_tokens = 0
         self._grammars = None  # engine.grammar.GrammarCompiler, made on the first structured-output request
+        self._grammars_lock = threading.Lock()
 
     # ----- requests --------------------------------------------------------------------------
     def add_request(self, request_id, prompt_ids, params: SamplingParams, emit=None, seq_id=None, *,
@@ -85,7 +87,7 @@ class Engine:
             raise InvalidRequest("the prompt is empty: give at least one token", "prompt")
         self._check_tokens(prompt_ids)
         params.check_vocab(self.vocab_size)
-        grammar = self._compile_grammar(params) if params.guided is not None and params.max_tokens else None
+        grammar = self.compile_grammar(params)
         if params.prompt_logprobs is not None and seq is not None:
             raise InvalidRequest("prompt logprobs need the whole prompt computed; a sequence continuation reuses "
                                  "its cached history: send the text as a new prompt", "prompt_logprobs")
@@ -353,15 +355,20 @@ class Engine:
             self._finish_seq(seq, "error", f"{type(exc).__name__}: {exc}")
         outputs.append(self._emit(req, {}))
 
-    def _compile_grammar(self, params: SamplingParams):
-        """The compiled grammar of a structured-output request, or InvalidRequest naming its field."""
+    def compile_grammar(self, params: SamplingParams):
+        """The compiled grammar of a structured-output request (None without one), or InvalidRequest naming
+        its field. Thread-safe: the HTTP layer calls it from a worker thread before submitting, so a compile
+        (milliseconds; more for a big schema) does not stall the tick, and admission hits xgrammar's cache."""
+        if params.guided is None or not params.max_tokens:
+            return None
         if self.tokenizer is None:
             raise InvalidRequest("structured output needs the model's tokenizer, which this engine has not "
                                  "loaded", params.guided.param)
-        if self._grammars is None:
-            from engine.grammar import GrammarCompiler  # xgrammar loads only when structured output is used
+        with self._grammars_lock:
+            if self._grammars is None:  # xgrammar loads only when structured output is used
+                from engine.grammar import GrammarCompiler
 
-            self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_ids)
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_ids)
         return self._grammars.compile(params.guided)
 
     def _persistent(self, seq_id: str) -> Sequence:

@@ -215,6 +215,20 @@ def test_cancel_goes_to_the_replica_running_the_request(url):
     assert chunks[-1]["choices"][0]["finish_reason"] == "cancelled"
 
 
+def test_client_going_away_cancels_on_the_replica(url):
+    """A client that hangs up (streaming or not) frees the replica's work, as with the single server."""
+    body = {"prompt": "a", "max_tokens": LONG, "ignore_eos": True}
+    with client(url) as c, c.stream("POST", "/v1/completions", json={**body, "stream": True}) as s:
+        next(line for line in s.iter_lines() if line.startswith("data: "))
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
+    deadline = time.monotonic() + 5  # a 4,000-token generation takes far longer than this
+    with client(url) as c:
+        while (running := c.get("/v1/cache").json()["requests"]["running"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+    assert running == 0
+
+
 def test_killed_replica_fails_fast_restarts_and_says_so(url):
     with client(url) as c:
         seqs: dict[str, list[str]] = {"r0": [], "r1": []}

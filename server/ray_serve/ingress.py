@@ -5,7 +5,8 @@ proxy adds its own `X-Request-ID`, which would shadow the response id clients re
 replicas through Ray Serve deployment handles. It never parses a route's body beyond choosing a replica; the replica answers with the single server's own app, and
 this app relays status, headers and body (SSE chunk by chunk). Each response says which replica
 answered (`X-Cellserve-Replica`) and why (`X-Cellserve-Route`: `affinity`, `prefix` or `least-loaded`,
-see `routing`). Aggregated routes: `/health`, `/v1/models`, `/v1/cache`, `/metrics`, `GET /v1/sequences`.
+see `routing`). Aggregated routes: `/health`, `/v1/cache`, `/metrics`, `GET /v1/sequences` (`/v1/models`: any replica).
+A stateless request a full replica refuses (`429`) is retried on the others first.
 
 Faults: a replica that does not accept a request within `ACCEPT_TIMEOUT_S` (dead, restarting), or
 dies before answering, gives `503` with `Retry-After`; one that dies mid-stream ends the stream with
@@ -21,6 +22,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
+from server.app import HeadAsGet
 from server.errors import error_body
 from server.limits import BodySizeLimit, Limits
 from server.metrics import CONTENT_TYPE
@@ -42,7 +44,6 @@ PROBE_TIMEOUT_S = 5.0  # /health and the load poll: a replica silent this long i
 POLL_S = 0.5  # how often replica loads are refreshed for least-loaded routing
 RETRY_AFTER_S = 5
 HOP = {b"content-length", b"transfer-encoding", b"connection", b"keep-alive"}
-AGGREGATED_PATHS = ("/health", "/metrics", "/v1/models", "/v1/cache")
 
 
 class ReplicaDown(Exception):
@@ -106,36 +107,21 @@ class ReplicaSet:
         return best, "least-loaded"
 
     async def call(self, i: int, method: str, path: str, query: bytes, headers: list, body: bytes
-                   ) -> tuple[int, list, AsyncIterator[bytes]]:
-        """Send a request to replica i: (status, headers, body chunks). Raises ReplicaDown."""
+                   ) -> "ReplicaAnswer":
+        """Send a request to replica i and wait for its status and headers. Raises ReplicaDown."""
         gen = self.handles[i].options(stream=True).forward.remote(method, path, query, headers, body)
-        self.board.inflight[i] += 1
-        done = False
+        answer = ReplicaAnswer(self, i, gen)
         try:
-            try:
-                await asyncio.wait_for(gen.__anext__(), ACCEPT_TIMEOUT_S)  # ("accepted",)
-                start = await gen.__anext__()
-            except (Exception, TimeoutError) as exc:
-                raise self._down(i, exc) from exc
-            status, raw = start[1], start[2]
-        except BaseException:
-            done = True
-            self.board.inflight[i] -= 1
-            gen.cancel()
+            await asyncio.wait_for(gen.__anext__(), ACCEPT_TIMEOUT_S)  # ("accepted",)
+            start = await gen.__anext__()
+        except (Exception, TimeoutError) as exc:
+            answer.close()
+            raise self._down(i, exc) from exc
+        except BaseException:  # cancelled (the client went away): stop the replica's work too
+            answer.close()
             raise
-
-        async def chunks() -> AsyncIterator[bytes]:
-            try:
-                async for item in gen:
-                    yield item[1]
-            except Exception as exc:
-                raise self._down(i, exc) from exc
-            finally:
-                gen.cancel()
-                if not done:
-                    self.board.inflight[i] -= 1
-
-        return status, [(k, v) for k, v in raw if k.lower() not in HOP], chunks()
+        answer.status, answer.headers = start[1], [(k, v) for k, v in start[2] if k.lower() not in HOP]
+        return answer
 
     def _down(self, i: int, exc: BaseException) -> ReplicaDown:
         self.board.mark_down(i)
@@ -144,9 +130,41 @@ class ReplicaSet:
         return ReplicaDown(f"replica {replica_name(i)} {why} while handling this request; it is being "
                            f"restarted; retry in a few seconds")
 
-    async def fetch_json(self, i: int, path: str, headers: list) -> tuple[int, dict]:
-        status, _, chunks = await self.call(i, "GET", path, b"", headers, b"")
-        return status, json.loads(b"".join([c async for c in chunks]) or b"{}")
+
+
+class ReplicaAnswer:
+    """One replica's answer in flight: status, headers, then body chunks. `close()` (idempotent) cancels
+    the replica's side (its app sees a disconnect) and releases the replica's in-flight count."""
+
+    def __init__(self, replicas: ReplicaSet, i: int, gen):
+        self.replicas, self.i, self.gen = replicas, i, gen
+        self.status, self.headers = 0, []
+        self.closed = False
+        replicas.board.inflight[i] += 1
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            self.replicas.board.inflight[self.i] -= 1
+            self.gen.cancel()
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            async for item in self.gen:
+                yield item[1]
+        except Exception as exc:  # the replica died mid-answer
+            raise self.replicas._down(self.i, exc) from exc
+        finally:
+            self.close()
+
+    async def read(self) -> bytes:
+        try:
+            return b"".join([c async for c in self.chunks()])
+        finally:
+            self.close()
+
+    def is_event_stream(self) -> bool:
+        return any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in self.headers)
 
 
 def unavailable(message: str, **extra) -> JSONResponse:
@@ -183,8 +201,8 @@ def build_ingress_app(handles: list, limits: Limits) -> FastAPI:
 
         async def one(i: int):
             try:
-                status, headers, chunks = await rs.call(i, "GET", path, b"", fwd_headers(request), b"")
-                return status, b"".join([c async for c in chunks]), headers
+                answer = await rs.call(i, "GET", path, b"", fwd_headers(request), b"")
+                return answer.status, await answer.read(), answer.headers
             except ReplicaDown as exc:
                 return 503, json.dumps(error_body(503, str(exc), code="replica_unavailable")).encode(), []
 
@@ -221,33 +239,62 @@ def build_ingress_app(handles: list, limits: Limits) -> FastAPI:
     async def proxy(request: Request) -> Response:
         rs = replicas(request)
         body = await request.body()
-        path = request.url.path
-        if path == "/v1/models":  # any ready replica: they serve the same model
-            i, policy = rs.board.least_loaded(), "least-loaded"
-        else:
-            i, policy = rs.choose(path, body)
-        route = {"X-Cellserve-Route": policy, "X-Cellserve-Replica": replica_name(i)}
-        try:
-            status, headers, chunks = await rs.call(i, request.method, path, request.scope["query_string"],
-                                                    fwd_headers(request), body)
-        except ReplicaDown as exc:
-            return unavailable(str(exc), replica=replica_name(i))
-        streaming = any(k.lower() == b"content-type" and v.startswith(b"text/event-stream") for k, v in headers)
-        if streaming:
-            response = StreamingResponse(relay(chunks), status_code=status)
-        else:
-            try:
-                content = b"".join([c async for c in chunks])
+        path, query = request.url.path, request.scope["query_string"]
+        i, policy = rs.choose(path, body)
+        tried = {i}
+        while True:
+            try:  # a non-streaming answer starts only when it is complete: watch the client meanwhile
+                answer = await until_disconnect(request, rs.call(i, request.method, path, query,
+                                                                 fwd_headers(request), body))
             except ReplicaDown as exc:
                 return unavailable(str(exc), replica=replica_name(i))
-            response = Response(content, status_code=status)
-        for k, v in headers:
+            if answer is None:
+                return Response(status_code=499)  # the client is gone; nobody reads this
+            untried = [j for j in range(len(rs.handles)) if j not in tried and rs.board.up(j)]
+            if answer.status != 429 or policy == "affinity" or not untried:
+                break
+            answer.close()  # that replica's queue is full: the client sees 429 only when every queue is
+            i = min(untried, key=rs.board.load)
+            tried.add(i)
+            policy = "least-loaded"
+        if answer.is_event_stream():
+            response = StreamingResponse(relay(answer.chunks()), status_code=answer.status)
+        else:
+            try:
+                content = await until_disconnect(request, answer.read())
+            except ReplicaDown as exc:
+                return unavailable(str(exc), replica=replica_name(i))
+            if content is None:
+                return Response(status_code=499)
+            response = Response(content, status_code=answer.status)
+        for k, v in answer.headers:
             response.headers.append(k.decode("latin-1"), v.decode("latin-1"))
-        response.headers.update(route)
+        response.headers.update({"X-Cellserve-Route": policy, "X-Cellserve-Replica": replica_name(i)})
         return response
 
+    app.add_middleware(HeadAsGet)
     app.add_middleware(BodySizeLimit, limits=limits)
     return app
+
+
+async def until_disconnect(request: Request, work):
+    """Await `work`; None if the client went away first: then `work` is cancelled, and with it the
+    replica's side (its app sees a disconnect and cancels the request, as the single server does)."""
+    task = asyncio.ensure_future(work)
+
+    async def gone() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    watch = asyncio.ensure_future(gone())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+    if not task.done():
+        task.cancel()  # its cleanup cancels the replica's side
+        return None
+    return task.result()
 
 
 async def relay(chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -27,8 +27,11 @@ def start_ray(address: str | None, replicas: int, threads: int) -> None:
     if address:
         ray.init(address=address, log_to_driver=False)
     else:
-        ray.init(num_cpus=max(os.cpu_count() or 1, replicas * threads), object_store_memory=OBJECT_STORE_BYTES,
-                 include_dashboard=False, log_to_driver=False)
+        # "local": always a new instance. Without it ray.init() joins a cluster found through RAY_ADDRESS
+        # or /tmp/ray/ray_current_cluster (any `ray start` on this machine), and the exit would then shut
+        # down Serve on a cluster this command did not start.
+        ray.init(address="local", num_cpus=max(os.cpu_count() or 1, replicas * threads),
+                 object_store_memory=OBJECT_STORE_BYTES, include_dashboard=False, log_to_driver=False)
 
 
 def deploy(args: argparse.Namespace):

@@ -41,6 +41,11 @@ class EngineArgs:
         source = resolve_model(self.model, self.dtype)
         return replace(self, model=source.path), source.name
 
+    def runner_kwargs(self) -> dict:
+        """What a `ModelRunner` takes from these args (the benchmarks build one over an in-memory model)."""
+        return {"n_cells": self.n_cells, "kv_memory_bytes": self.kv_memory_bytes, "max_seqs": self.max_seqs,
+                "threads": self.threads, "attention": self.attention}
+
 
 def build_engine(args: EngineArgs, runner=None):
     """An `Engine` for `args` (loads the model unless a ready `ModelRunner` is given)."""
@@ -49,7 +54,5 @@ def build_engine(args: EngineArgs, runner=None):
 
     if runner is None:
         args, _ = args.resolved()
-        runner = ModelRunner.from_pretrained(args.model, dtype=args.dtype, n_cells=args.n_cells,
-                                             kv_memory_bytes=args.kv_memory_bytes, max_seqs=args.max_seqs,
-                                             threads=args.threads, attention=args.attention)
+        runner = ModelRunner.from_pretrained(args.model, dtype=args.dtype, **args.runner_kwargs())
     return Engine(runner, args)

@@ -29,7 +29,7 @@ serve: $(STAMP)
 	fi
 
 soak: $(STAMP)
-	$(BIN)/python -m pytest -m 'soak or soak_long' -o addopts='-q' tests/test_soak.py
+	$(BIN)/python -m pytest -m 'soak or soak_long' -o addopts='-q' tests/server/test_soak.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check engine server tests

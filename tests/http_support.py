@@ -11,9 +11,7 @@ import time
 from typing import Self
 
 import httpx
-import pytest
 import uvicorn
-from tiny_models import save_tiny_model_dir
 
 from engine.async_engine import AsyncEngine
 from server.app import build_app
@@ -21,19 +19,6 @@ from server.cli import KEEP_ALIVE_S
 
 MODEL_NAME = "tiny-llama"
 API_KEY = "sk-test-key"
-
-
-@pytest.fixture(scope="session")
-def model_dir(tmp_path_factory) -> str:
-    """A tiny seeded Llama + byte-level BPE tokenizer with a chat template, saved once per session."""
-    return str(save_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"), seed=0, max_positions=512))
-
-
-@pytest.fixture(scope="session")
-def long_model_dir(tmp_path_factory) -> str:
-    """The same tiny model with a 4096-token context: generations long enough (thousands of ticks) that a
-    test can act on them mid-way (cancel, 409, fork a busy sequence) whatever the machine's speed."""
-    return str(save_tiny_model_dir(tmp_path_factory.mktemp("tiny-model-long"), seed=0, max_positions=4096))
 
 
 LONG_TOKENS = 4000  # with `long_model_dir`: far more ticks than any mid-stream action needs

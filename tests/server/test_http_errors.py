@@ -5,15 +5,7 @@ import threading
 import httpx
 import openai
 import pytest
-from http_support import (  # noqa: F401
-    API_KEY,
-    LONG_TOKENS,
-    MODEL_NAME,
-    LiveServer,
-    long_model_dir,
-    metric_value,
-    model_dir,
-)
+from http_support import API_KEY, LONG_TOKENS, MODEL_NAME, LiveServer, metric_value
 
 from engine.async_engine import AsyncEngine
 
@@ -22,7 +14,7 @@ MSG = [{"role": "user", "content": "hi"}]
 
 
 @pytest.fixture(scope="module")
-def srv(model_dir):  # noqa: F811
+def srv(model_dir):
     with LiveServer(model_dir, n_cells=600) as server:
         yield server
 
@@ -108,7 +100,7 @@ def test_context_overflow_is_400_context_length_exceeded(srv):
         assert err["code"] == "context_length_exceeded"
 
 
-def test_busy_sequence_is_409(long_model_dir):  # noqa: F811
+def test_busy_sequence_is_409(long_model_dir):
     with LiveServer(long_model_dir, n_cells=8192) as srv, srv.client() as c:
         seq = c.post("/v1/sequences", json={"prompt": "ROMEO:"}).json()
         started = threading.Event()
@@ -149,7 +141,7 @@ def test_server_is_healthy_after_all_that(srv):
     assert srv.wait_idle()["sequences"] == []
 
 
-def test_api_key_is_required_when_set(model_dir):  # noqa: F811
+def test_api_key_is_required_when_set(model_dir):
     with LiveServer(model_dir, api_key=API_KEY, n_cells=256) as srv, httpx.Client(base_url=srv.url) as anon:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": API_KEY}):
             err = assert_error(anon.post("/v1/completions", json=OK, headers=headers), 401)
@@ -165,7 +157,7 @@ def test_api_key_is_required_when_set(model_dir):  # noqa: F811
         assert good.models.list().data[0].id == MODEL_NAME
 
 
-def test_503_while_loading_then_ready_then_draining(model_dir):  # noqa: F811
+def test_503_while_loading_then_ready_then_draining(model_dir):
     release = threading.Event()
 
     def slow_factory():
@@ -189,7 +181,7 @@ def test_503_while_loading_then_ready_then_draining(model_dir):  # noqa: F811
         assert metric_value(srv, "cellserve:request_errors_total", status="503") == 2
 
 
-def test_queue_full_is_429_with_retry_after(model_dir):  # noqa: F811
+def test_queue_full_is_429_with_retry_after(model_dir):
     with LiveServer(model_dir, n_cells=1024, max_num_seqs=1, max_queue=1) as srv:
         import asyncio
 

@@ -11,7 +11,7 @@ import time
 
 import httpx
 import pytest
-from http_support import LONG_TOKENS, LiveServer, long_model_dir, metric_value, sse_events  # noqa: F401
+from http_support import LONG_TOKENS, LiveServer, metric_value, sse_events
 
 LONG = {"prompt": "ROMEO: But soft", "max_tokens": LONG_TOKENS, "ignore_eos": True, "temperature": 0}
 SHORT = {"prompt": "JULIET: O Romeo", "max_tokens": 24, "temperature": 0}
@@ -20,7 +20,7 @@ CANCELLED = "cellserve:request_success_total"
 
 
 @pytest.fixture(scope="module")
-def srv(long_model_dir):  # noqa: F811
+def srv(long_model_dir):
     with LiveServer(long_model_dir, n_cells=8192) as server:
         yield server
 

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-from http_support import model_dir, sse_events  # noqa: F401
+from http_support import sse_events
 
 from server.cli import main
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def free_port() -> int:
@@ -39,7 +39,7 @@ def wait_healthy(url: str, proc: subprocess.Popen, timeout: float = 120) -> list
     raise AssertionError(f"server never became healthy (exit code {proc.poll()}, /health codes {seen})")
 
 
-def test_serve_streams_then_drains_on_sigterm(model_dir, tmp_path):  # noqa: F811
+def test_serve_streams_then_drains_on_sigterm(model_dir, tmp_path):
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     log = tmp_path / "serve.log"

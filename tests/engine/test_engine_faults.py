@@ -122,14 +122,14 @@ def test_a_failure_taking_one_requests_token_fails_that_request_alone(monkeypatc
     pg = prompt(9, 8)
     engine.add_request("bad", prompt(7, 7), SamplingParams(n=2, max_tokens=6, seed=1), bad)
     engine.add_request("good", pg, greedy(6), good)
-    real_append = engine._append
+    real_append = engine.outputs.append
 
     def append(seq, token, lp):
         if seq.request.request_id == "bad" and seq.num_generated >= 2:
             raise Boom("output processing failed")
         return real_append(seq, token, lp)
 
-    monkeypatch.setattr(engine, "_append", append)
+    monkeypatch.setattr(engine.outputs, "append", append)
     drain(engine)
     assert bad.finished and bad.finish == {0: "error", 1: "error"} and "output processing failed" in bad.errors[0]
     assert good.finish[0] == "length" and good.tokens[0] == greedy_oracle(model, pg, 6)

@@ -48,7 +48,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
-from http_support import Greedy, model_dir  # noqa: F401
+from http_support import Greedy
 from soak_support import (
     ServerProcess,
     Soak,
@@ -930,7 +930,7 @@ async def drain_on_sigterm(srv: ServerProcess) -> list:
 
 
 @pytest.fixture
-def make_server(model_dir, tmp_path):  # noqa: F811
+def make_server(model_dir, tmp_path):
     """Builds the server process; teardown always ends it, even when the test failed."""
     started: list[ServerProcess] = []
 
@@ -957,7 +957,7 @@ PROFILES = [
 
 
 @pytest.mark.parametrize("profile", PROFILES)
-def test_soak(profile: Profile, make_server, model_dir):  # noqa: F811
+def test_soak(profile: Profile, make_server, model_dir):
     t0 = time.monotonic()
     srv = make_server()
     with httpx.Client(base_url=srv.url, timeout=30) as c:

@@ -3,7 +3,7 @@
 import asyncio
 
 import pytest
-from http_support import LiveServer, metric_value, model_dir, sse_events  # noqa: F401
+from http_support import LiveServer, metric_value, sse_events
 from prometheus_client.parser import text_string_to_metric_families
 
 PROMPTS = ["ROMEO: But soft", "JULIET: O Romeo", "The quick brown fox", "Naïve café 日本語"]
@@ -12,7 +12,7 @@ MAX_TOKENS = 8
 
 
 @pytest.fixture(scope="module")
-def srv(model_dir):  # noqa: F811
+def srv(model_dir):
     with LiveServer(model_dir, n_cells=4096, max_num_batched_tokens=256) as server:
         yield server
 

@@ -22,7 +22,7 @@ anything larger is a quick 400. About 40 s of CPU on the whole.
 import hypothesis
 import pytest
 import schemathesis
-from http_support import LiveServer, model_dir  # noqa: F401
+from http_support import LiveServer
 from schemathesis.checks import (
     content_type_conformance,
     not_a_server_error,
@@ -47,7 +47,7 @@ schema = schemathesis.openapi.from_dict(app_schema(), config=CONFIG)
 
 
 @pytest.fixture(scope="module")
-def fuzz_server(model_dir):  # noqa: F811
+def fuzz_server(model_dir):
     with LiveServer(model_dir, n_cells=64) as srv:
         yield srv
 

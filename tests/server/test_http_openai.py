@@ -2,14 +2,14 @@
 
 import openai
 import pytest
-from http_support import MODEL_NAME, Greedy, LiveServer, model_dir, sse_events  # noqa: F401
+from http_support import MODEL_NAME, Greedy, LiveServer, sse_events
 
 PROMPT = "ROMEO: But soft, what light"
 MESSAGES = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who is Juliet?"}]
 
 
 @pytest.fixture(scope="module")
-def srv(model_dir):  # noqa: F811
+def srv(model_dir):
     with LiveServer(model_dir) as server:
         yield server
 
@@ -20,7 +20,7 @@ def client(srv):
 
 
 @pytest.fixture(scope="module")
-def greedy(model_dir):  # noqa: F811
+def greedy(model_dir):
     return Greedy(model_dir)
 
 

@@ -6,7 +6,7 @@ cacheless forward (the oracle); the first prompt token has none. Through HTTP: O
 import pytest
 import torch
 from engine_support import drain, make_engine, prompt
-from http_support import LiveServer, model_dir, sse_events  # noqa: F401
+from http_support import LiveServer, sse_events
 from tiny_models import full_logits
 
 from engine.errors import InvalidRequest
@@ -60,7 +60,7 @@ def test_prompt_logprobs_over_several_chunks_equal_the_oracle(max_tokens):
     generated = [t for o in outs["lp"] for c in o.outputs for t in c.token_ids]
     assert len(generated) == max_tokens
     assert all(o.prompt_logprobs is None for o in outs["busy"])
-    assert engine.cache.free_cells() + engine.cached_prefix_cells() == engine.cache.n_cells
+    assert engine.cache.free_cells() + engine.scheduler.cached_prefix_cells() == engine.cache.n_cells
 
 
 def test_a_cached_prefix_is_not_shared_when_every_prompt_row_is_needed():
@@ -91,13 +91,13 @@ def test_prompt_logprobs_are_refused_on_a_sequence_continuation():
 # ----- HTTP: echo + logprobs --------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def srv(model_dir):  # noqa: F811
+def srv(model_dir):
     with LiveServer(model_dir, max_num_batched_tokens=16) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
-def hf_model(model_dir):  # noqa: F811
+def hf_model(model_dir):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(model_dir, local_files_only=True, dtype=torch.float32).eval()

@@ -5,7 +5,7 @@ text is the same as with the cache off; `--no-prefix-cache` turns it off."""
 
 import openai
 import pytest
-from http_support import MODEL_NAME, LiveServer, metric_value, model_dir  # noqa: F401
+from http_support import MODEL_NAME, LiveServer, metric_value
 
 SYSTEM = ("You are a careful assistant who answers in the voice of a Shakespearean actor, briefly, "
           "and never forgets the question that was asked of him.")
@@ -20,7 +20,7 @@ def chat(client: openai.OpenAI, messages: list[dict], stream: bool = False):
 
 
 @pytest.fixture(scope="module")
-def servers(model_dir):  # noqa: F811
+def servers(model_dir):
     with LiveServer(model_dir, n_cells=2048) as on, LiveServer(model_dir, n_cells=2048, prefix_caching=False) as off:
         yield on, off
 

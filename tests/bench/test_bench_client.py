@@ -38,7 +38,7 @@ from server.bench.workloads import RandomWorkload, SharedPrefixWorkload
 
 TOKENS = 6
 TOKEN_DELAY = 0.002
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 
 
 # ---------------------------------------------------------------- fake OpenAI-compatible server

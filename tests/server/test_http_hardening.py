@@ -14,7 +14,7 @@ import time
 
 import httpx
 import pytest
-from http_support import API_KEY, LiveServer, long_model_dir, model_dir  # noqa: F401
+from http_support import API_KEY, LiveServer
 from soak_support import free_port
 
 from server.limits import Limits
@@ -23,7 +23,7 @@ OK = {"prompt": "ROMEO:", "max_tokens": 3, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def srv(model_dir):  # noqa: F811
+def srv(model_dir):
     limits = Limits(max_body_bytes=64 * 1024, max_prompts=8, max_choices=32)
     with LiveServer(model_dir, n_cells=8192, limits=limits) as server:
         yield server
@@ -65,7 +65,7 @@ def test_forty_early_disconnects_leave_the_engine_serving(srv):
     assert not srv.fatal
 
 
-def test_the_heavy_request_that_killed_the_engine(model_dir):  # noqa: F811
+def test_the_heavy_request_that_killed_the_engine(model_dir):
     """The issue's exact request, with a client that gives up after 3 s: refused before any work
     under the default limits; with limits opened up so that it is admitted, the client's leaving
     cancels it and the engine lives on."""
@@ -82,7 +82,7 @@ def test_the_heavy_request_that_killed_the_engine(model_dir):  # noqa: F811
         assert not open_srv.fatal
 
 
-def test_a_create_whose_client_left_is_rolled_back(long_model_dir):  # noqa: F811
+def test_a_create_whose_client_left_is_rolled_back(long_model_dir):
     """A long prefill in small chunks: the client is gone long before it ends, so no sequence (and no
     cell) may be left for an id nobody received."""
     with LiveServer(long_model_dir, n_cells=8192, max_num_batched_tokens=16) as srv:
@@ -136,7 +136,7 @@ def test_text_that_cannot_fit_is_refused_before_tokenization(srv):
             assert (err["code"], err["param"]) == ("context_length_exceeded", param), path
 
 
-def test_prompts_times_n_over_the_pool_is_400_without_preempting(model_dir):  # noqa: F811
+def test_prompts_times_n_over_the_pool_is_400_without_preempting(model_dir):
     with LiveServer(model_dir, n_cells=8192, limits=Limits(max_choices=4096)) as srv, srv.client() as c:
         before = srv.cache()["preemptions"]
         err = error_of(c.post("/v1/completions", json={"prompt": ["a", "b", "c", "d"], "n": 64, "max_tokens": 100}),
@@ -201,7 +201,7 @@ def test_trailing_slashes_are_not_redirected(srv):
         assert r.json()["error"]["code"] == "not_found"
 
 
-def test_api_key_covers_the_docs(model_dir):  # noqa: F811
+def test_api_key_covers_the_docs(model_dir):
     with LiveServer(model_dir, n_cells=256, api_key=API_KEY) as srv, httpx.Client(base_url=srv.url) as anon:
         for path in ("/docs", "/redoc", "/docs/oauth2-redirect", "/openapi.json"):
             assert anon.get(path).status_code == 404, path
@@ -222,7 +222,7 @@ class _Fatal(BaseException):
     pass
 
 
-def test_a_dead_engine_loop_turns_health_503_and_fails_streams(model_dir):  # noqa: F811
+def test_a_dead_engine_loop_turns_health_503_and_fails_streams(model_dir):
     with LiveServer(model_dir, n_cells=512) as srv, srv.client() as c:
         def die():
             raise _Fatal("simulated engine death")
@@ -240,7 +240,7 @@ def test_a_dead_engine_loop_turns_health_503_and_fails_streams(model_dir):  # no
         assert c.get("/metrics").status_code == 200
 
 
-def test_the_server_process_exits_1_when_its_engine_loop_dies(model_dir, tmp_path):  # noqa: F811
+def test_the_server_process_exits_1_when_its_engine_loop_dies(model_dir, tmp_path):
     """A real `cellserve serve` process whose engine loop dies on its first forward: the stream ends
     with an error event, /health says 503, and the process exits with status 1 by itself."""
     port = free_port()

@@ -4,19 +4,19 @@ import threading
 
 import httpx
 import pytest
-from http_support import LONG_TOKENS, Greedy, LiveServer, long_model_dir, sse_events  # noqa: F401
+from http_support import LONG_TOKENS, Greedy, LiveServer, sse_events
 
 TRUNK = "ROMEO: But soft, what light through yonder window breaks?"
 
 
 @pytest.fixture(scope="module")
-def srv(long_model_dir):  # noqa: F811
+def srv(long_model_dir):
     with LiveServer(long_model_dir, n_cells=8192) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
-def greedy(long_model_dir):  # noqa: F811
+def greedy(long_model_dir):
     return Greedy(long_model_dir)
 
 

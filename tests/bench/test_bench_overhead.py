@@ -3,12 +3,10 @@
 
 import json
 
-from http_support import model_dir  # noqa: F401
-
 from server.bench.overhead import main
 
 
-def test_overhead_runs_pairs_and_reports_the_median_ratio(model_dir, tmp_path, capsys):  # noqa: F811
+def test_overhead_runs_pairs_and_reports_the_median_ratio(model_dir, tmp_path, capsys):
     out = tmp_path / "overhead.json"
     work = tmp_path / "work"
     status = main(["--model", model_dir, "--dtype", "float32", "--threads", "1", "--concurrency", "2",

@@ -210,16 +210,16 @@ class AsyncEngine:
 
     async def cached_prefix_cells(self) -> int:
         """Cells held only by cached prefixes (evictable on demand), counted on the loop thread."""
-        return await self._call(self.engine.cached_prefix_cells, check_accepting=False)
+        return await self._call(self.engine.scheduler.cached_prefix_cells, check_accepting=False)
 
     def max_tokens_left(self, prompt_len: int, n: int = 1) -> int:
-        """`Engine.max_tokens_left`: what "generate until the end" means (constants only, any thread)."""
-        return self.engine.max_tokens_left(prompt_len, n)
+        """`Admission.max_tokens_left`: what "generate until the end" means (constants only, any thread)."""
+        return self.engine.admission.max_tokens_left(prompt_len, n)
 
     def check_fits(self, prompt_lens: list[int], max_tokens: int, n: int = 1) -> None:
-        """`Engine.check_fits` (PromptTooLong for what can never run); reads constants only, so it is
+        """`Admission.check_fits` (PromptTooLong for what can never run); reads constants only, so it is
         safe from the event loop and lets several prompts be refused together, before any is submitted."""
-        self.engine.check_fits(prompt_lens, max_tokens, n)
+        self.engine.admission.check_fits(prompt_lens, max_tokens, n)
 
     def stats(self) -> EngineStats:
         """The engine's counters as of the last tick; never waits for the loop."""

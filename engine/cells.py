@@ -163,6 +163,14 @@ class CellCache(Cache):
         r = self.read_len
         return int((self.owner[seq_id, :r] & (self.n_owners[:r] > 1)).sum())
 
+    def cells_owned_only_by(self, seq_ids: list[int], others: list[int]) -> int:
+        """Cells some of `seq_ids` own and none of `others` does (what dropping `seq_ids` would free)."""
+        r = self.read_len
+        mine = self.owner[seq_ids, :r].any(0)
+        if others:
+            mine &= ~self.owner[others, :r].any(0)
+        return int(mine.sum())
+
     def seq_positions(self, seq_id: int) -> torch.Tensor:
         """Sorted positions `seq_id` holds cells for."""
         self._check_slot(seq_id, "seq_id")

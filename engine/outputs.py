@@ -57,7 +57,6 @@ class RequestOutput:
     finished: bool = False
     seq_id: str | None = None  # the persistent sequence this request ran on, if any
     timing: Timing = field(default_factory=Timing)
-    num_generated: int = 0  # total generated tokens so far over all choices (for usage)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
     prompt_logprobs: PromptLogprobs | None = None  # on the request's first output only, when asked for
 

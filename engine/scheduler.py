@@ -19,7 +19,7 @@ import heapq
 import os
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from engine.cells import CellCache
 from engine.prefix_cache import BLOCK, PrefixIndex
@@ -45,6 +45,24 @@ class Chunk:
     def completes(self) -> bool:
         """After this chunk every token of the sequence has a cell: its last row gives next-token logits."""
         return self.start + self.n_tokens == len(self.seq.token_ids)
+
+
+@dataclass
+class TickPlan:
+    """One tick being planned: the chunks chosen so far (insertion-ordered; sequences hash by
+    identity), their tokens, and the sequences preempted to make room in this very tick."""
+
+    chunks: dict[Sequence, Chunk] = field(default_factory=dict)
+    tokens: int = 0
+    preempted: set[Sequence] = field(default_factory=set)
+
+    def add(self, seq: Sequence, n: int) -> None:
+        self.chunks[seq] = Chunk(seq, seq.n_cached, n)
+        self.tokens += n
+
+    def drop(self, seq: Sequence) -> None:
+        if seq in self.chunks:
+            self.tokens -= self.chunks.pop(seq).n_tokens
 
 
 class Scheduler:
@@ -139,6 +157,52 @@ class Scheduler:
         self.set_cached(seq, n)
         return freed
 
+    def fork(self, parent: Sequence, child: Sequence, upto: int) -> None:
+        """A new sequence (no slot yet) shares `parent`'s cells of positions [0, upto) when the parent
+        holds them and a slot is free (evicting an idle sequence, never the parent); else it holds
+        nothing and prefills when it runs. Either way its tokens are the truth."""
+        if parent.slot is not None and upto > 0 and self.acquire_slot(child, keep=parent):
+            self.share(parent, child, upto)
+
+    def start_child(self, parent: Sequence, child: Sequence) -> None:
+        """n > 1: a queued child of a prefilled parent runs at once on the parent's cells when a slot
+        is free; otherwise it stays queued and prefills on its own."""
+        if self.acquire_slot(child):
+            self.share(parent, child, parent.n_cached)
+            self.remove(child)
+            self.add_running(child)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """A choice ended (`reason` is its finish reason): a persistent sequence goes idle and keeps its
+        cells but the last token's (see `Sequence.cache_target`); a failed one drops its cells (a failed
+        step's cells are not trusted as a cached prefix); any other is retired."""
+        self.remove(seq)
+        if seq.persistent:
+            seq.status = SeqStatus.IDLE
+            seq.last_used = time.monotonic()
+            if seq.n_cached > len(seq.token_ids) - 1:
+                self.uncache(seq, len(seq.token_ids) - 1)
+        elif reason == "error":
+            self.release(seq)
+            seq.status = SeqStatus.FINISHED
+        else:
+            self.retire(seq)
+
+    def cells_of(self, seq: Sequence) -> tuple[int, int]:
+        """(cells `seq` owns, of which shared with another sequence); (0, 0) without a slot."""
+        if seq.slot is None:
+            return 0, 0
+        return self.cache.seq_len(seq.slot), self.cache.shared_cells(seq.slot)
+
+    def cached_prefix_cells(self) -> int:
+        """Cells owned only by cached prefixes: evicted on demand, so free in all but name (one
+        reduction over the owner table: for reports, not for every tick)."""
+        cached = {s.slot for s in self.cached_prefixes()}
+        if not cached:
+            return 0
+        live = [slot for slot in self.holders if slot not in cached]
+        return self.cache.cells_owned_only_by(sorted(cached), live)
+
     def cached_prefixes(self) -> list[Sequence]:
         return [s for s in self.holders.values() if s.status is SeqStatus.FINISHED]
 
@@ -188,9 +252,7 @@ class Scheduler:
 
     # ----- one tick --------------------------------------------------------------------------
     def schedule(self) -> list[Chunk]:
-        self._chunks: dict[Sequence, Chunk] = {}  # insertion-ordered; sequences hash by identity
-        self._step_tokens = 0
-        self._preempted_now: set[Sequence] = set()
+        plan = TickPlan()
         budget = self.max_num_batched_tokens
         decoding = sum(1 for s in self.running if s.cache_target() - s.n_cached == 1)
         prefill = max(self.prefill_while_decoding, decoding) if decoding else budget  # left for prefill chunks
@@ -200,32 +262,28 @@ class Scheduler:
                 continue  # preempted while making room for an older sequence
             want = seq.cache_target() - seq.n_cached
             n = min(want, budget) if want == 1 else min(want, budget, prefill)
-            if n > 0 and self._room_for_running(seq, n):
-                self._add_chunk(seq, n)
+            if n > 0 and self._room_for_running(plan, seq, n):
+                plan.add(seq, n)
                 budget -= n
                 prefill -= n if want > 1 else 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            if seq in self._preempted_now:
+            if seq in plan.preempted:
                 break  # it just gave up its cells for this very step
             self._note_cached(seq, self.share_cached_prefix(seq))
             want = seq.cache_target() - seq.n_cached
             n = min(want, budget, prefill)
             if want > 0 and n == 0:
                 break  # this tick's prefill tokens are spent: it is admitted next tick
-            if n > 0 and not self._room_for_waiting(seq, n):
+            if n > 0 and not self._room_for_waiting(plan, seq, n):
                 break
             prefill -= n
             self.waiting.popleft()
             self.add_running(seq)
             if n > 0:
-                self._add_chunk(seq, n)
+                plan.add(seq, n)
                 budget -= n
-        return list(self._chunks.values())
-
-    def _add_chunk(self, seq: Sequence, n: int) -> None:
-        self._chunks[seq] = Chunk(seq, seq.n_cached, n)
-        self._step_tokens += n
+        return list(plan.chunks.values())
 
     def _note_cached(self, seq: Sequence, shared: int) -> None:
         """A request's `cached_tokens` (OpenAI's usage field): its prompt tokens found in the cache at
@@ -235,27 +293,26 @@ class Scheduler:
             history = len(seq.token_ids) - len(req.prompt_ids)
             req.cached_tokens = max(0, shared - history)
 
-    def _need(self, n: int) -> int:
-        return self._step_tokens + n - self.cache.free_cells()
+    def _need(self, plan: TickPlan, n: int) -> int:
+        return plan.tokens + n - self.cache.free_cells()
 
-    def _room_for_running(self, seq: Sequence, n: int) -> bool:
-        while not self.cache.can_extend(self._step_tokens + n):
-            if self._evict_one(need=self._need(n)):
+    def _room_for_running(self, plan: TickPlan, seq: Sequence, n: int) -> bool:
+        while not self.cache.can_extend(plan.tokens + n):
+            if self._evict_one(need=self._need(plan, n)):
                 continue
             victim = max(self.running, key=lambda s: s.admitted_at)
-            if victim in self._chunks:
-                self._step_tokens -= self._chunks.pop(victim).n_tokens
-            self._preempted_now.add(victim)
+            plan.drop(victim)
+            plan.preempted.add(victim)
             self.preempt(victim)
             if victim is seq:
                 return False
         return True
 
-    def _room_for_waiting(self, seq: Sequence, n: int) -> bool:
+    def _room_for_waiting(self, plan: TickPlan, seq: Sequence, n: int) -> bool:
         if not self.acquire_slot(seq):
             return False
-        while not self.cache.can_extend(self._step_tokens + n):
-            if not self._evict_one(exclude=(seq,), need=self._need(n)):
+        while not self.cache.can_extend(plan.tokens + n):
+            if not self._evict_one(exclude=(seq,), need=self._need(plan, n)):
                 return False
         return True
 

@@ -11,11 +11,16 @@ import enum
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from engine.outputs import PromptLogprobs, RequestOutput, Timing
 from engine.sampling import SamplingParams
+
+if TYPE_CHECKING:  # annotations only: the detokenizer and the grammar load tokenizers / xgrammar
+    from engine.detok import IncrementalDetokenizer
+    from engine.grammar import GrammarState
 
 
 class SeqStatus(enum.Enum):
@@ -41,8 +46,8 @@ class Sequence:
     generator: torch.Generator | None = None
     finish_reason: str | None = None
     error: str | None = None
-    detok: object | None = None
-    grammar: object | None = None  # engine.grammar.GrammarState while a structured-output request runs
+    detok: "IncrementalDetokenizer | None" = None  # None: no engine-side text (prefill-only, or decoded off-thread)
+    grammar: "GrammarState | None" = None  # while a structured-output request runs
     created: float = field(default_factory=time.time)
     last_used: float = field(default_factory=time.monotonic)
     admitted_at: float = 0.0  # monotonic order of admission, for "preempt the newest"
@@ -97,10 +102,6 @@ class Request:
     grammar: object | None = None  # compiled grammar of a structured-output request (one state per choice)
     prompt_logprobs: PromptLogprobs | None = None  # filled while the prompt prefills, when asked for
     prompt_logprobs_sent: bool = False
-
-    @property
-    def num_generated(self) -> int:
-        return sum(s.num_generated for s in self.seqs)
 
     def live(self) -> list[Sequence]:
         """Choices still generating for this request (a finished choice drops its `request`)."""

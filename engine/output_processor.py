@@ -1,0 +1,115 @@
+"""Output processing: a sampled token becomes text, a finish, and a `RequestOutput` delta.
+
+`OutputProcessor` holds the one rule for a choice's next token (engine side): append it, feed the
+grammar, decide the finish (EOS, stop-token ids, max_tokens, a complete grammar, a stop string), and
+detokenize (EOS and stop-token ids carry no text; a finish flushes what the detokenizer held back).
+`engine.detok.OutputDetokenizer` applies the same text rule off the engine thread for requests that
+asked for no engine-side text. It also ends choices (asking the scheduler to retire, idle or release
+their sequence) and emits each request's delta exactly once per tick, with every finish reported once.
+"""
+
+import logging
+import time
+
+from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.sampling import check_stop_token
+from engine.scheduler import Chunk, Scheduler
+from engine.sequence import Request, Sequence
+
+log = logging.getLogger("cellserve.engine")
+
+
+class OutputProcessor:
+    """Turns tokens into outputs for the engine's in-flight `requests` (it drops a request from that
+    dict once its last choice has finished and been reported)."""
+
+    def __init__(self, scheduler: Scheduler, requests: dict[str, Request], eos_ids: list[int]):
+        self.scheduler = scheduler
+        self.requests = requests
+        self.eos_ids = eos_ids
+
+    def append(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> CompletionOutput:
+        req = seq.request
+        seq.token_ids.append(token)
+        if req.timing.first_token is None:
+            req.timing.first_token = time.monotonic()
+        out = CompletionOutput(seq.index, [token], logprobs=[lp] if lp else None)
+        stop = check_stop_token(seq.params, token, seq.num_generated, self.eos_ids)
+        if seq.grammar is not None:
+            seq.grammar.accept(token)
+            if seq.grammar.terminated:  # the grammar was complete and took EOS: the choice is done
+                stop = ("stop", None)
+        if seq.detok is not None:
+            if stop is None or stop[0] != "stop":  # EOS and stop-token ids carry no text
+                out.text = seq.detok.push(token)
+            if seq.detok.stopped:
+                stop = ("stop", seq.detok.stop_reason)
+            elif stop is not None:
+                out.text += seq.detok.flush()
+        if stop is not None:
+            out.finish_reason, out.stop_reason = stop
+            self.finish(seq, stop[0])
+        return out
+
+    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        """End one choice: it keeps its reason, leaves its request, and the scheduler takes its sequence."""
+        seq.finish_reason, seq.error = reason, error
+        seq.request = seq.grammar = None
+        self.scheduler.finish(seq, reason)
+
+    def emit(self, req: Request, choices: dict[int, CompletionOutput]) -> RequestOutput:
+        """Send `req` this tick's delta: the new tokens of `choices`, plus a finish for every choice that
+        ended without a token (cancel, error) and was not reported yet."""
+        for seq in req.seqs:
+            if seq.index not in choices and seq.request is None and seq.index not in req.reported:
+                choices[seq.index] = CompletionOutput(seq.index, finish_reason=seq.finish_reason, error=seq.error)
+        if req.children_pending and not req.live():
+            _end_unforked(req, choices)
+        req.reported.update(i for i, c in choices.items() if c.finish_reason)
+        finished = not req.live()
+        if finished and not req.finished:
+            req.finished = True
+            req.timing.finished = time.monotonic()
+            self.requests.pop(req.request_id, None)
+        plp = None
+        if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
+            plp, req.prompt_logprobs_sent = req.prompt_logprobs, True
+        seq_id = req.persistent_seq.seq_id if req.persistent_seq else None
+        out = RequestOutput(req.request_id, sorted(choices.values(), key=lambda c: c.index), req.prompt_ids,
+                            finished, seq_id, req.timing, req.cached_tokens or 0, prompt_logprobs=plp)
+        req.emit(out)
+        return out
+
+    def cancel(self, req: Request) -> RequestOutput:
+        for seq in req.live():
+            self.finish(seq, "cancelled")
+        return self.emit(req, {})
+
+    def finish_prefills(self, outputs: list[RequestOutput]) -> None:
+        """Prefill-only requests (sequence create, max_tokens 0) end once their cache target is reached,
+        with finish_reason `length`: they have generated all max_tokens = 0 of their tokens."""
+        for seq in list(self.scheduler.running):
+            req = seq.request
+            if req is not None and req.prefill_only and seq.n_cached >= seq.cache_target():
+                self.finish(seq, "length")
+                outputs.append(self.emit(req, {}))
+
+    def fail_step(self, chunks: list[Chunk], exc: Exception, outputs: list[RequestOutput]) -> None:
+        failed = {c.seq.request for c in chunks if c.seq.request is not None}
+        log.error("failing requests %s: %s: %s", sorted(r.request_id for r in failed), type(exc).__name__, exc)
+        for req in failed:
+            self.fail_request(req, exc, outputs)
+
+    def fail_request(self, req: Request, exc: Exception, outputs: list[RequestOutput]) -> None:
+        for seq in req.live():
+            self.finish(seq, "error", f"{type(exc).__name__}: {exc}")
+        outputs.append(self.emit(req, {}))
+
+
+def _end_unforked(req: Request, choices: dict[int, CompletionOutput]) -> None:
+    """n > 1 ended (cancel, failed forward) before its prompt was prefilled and forked: the choices that
+    were never forked end the same way as choice 0, so every one of the n choices reports a finish."""
+    first = req.seqs[0]
+    for i in range(1, req.children_pending + 1):
+        choices[i] = CompletionOutput(i, finish_reason=first.finish_reason, error=first.error)
+    req.children_pending = 0

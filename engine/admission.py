@@ -10,7 +10,7 @@ any thread before it submits; the grammar compiler is locked for the same reason
 import threading
 
 from engine.errors import InvalidRequest, PromptTooLong, QueueFull
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 
 class Admission:

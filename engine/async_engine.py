@@ -28,7 +28,7 @@ from engine.detok import OutputDetokenizer, context_ids
 from engine.engine import Engine
 from engine.errors import EngineUnavailable, RequestNotFound
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput, SequenceInfo
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 log = logging.getLogger("cellserve.engine")
 
@@ -147,7 +147,11 @@ class AsyncEngine:
 
         Without stop strings the text is decoded by the stream, on the caller's event loop, so the
         engine thread only schedules, runs the model and samples; a stop string must end the
-        generation before the next token is sampled, so those requests are decoded by the engine."""
+        generation before the next token is sampled, so those requests are decoded by the engine.
+        A structured-output grammar is compiled first, in a worker thread: a compile (milliseconds; more
+        for a big schema) never stalls the tick, and admission then finds it in xgrammar's cache."""
+        if params.guided is not None:
+            await asyncio.to_thread(self.engine.admission.compile_grammar, params)
         stream = RequestStream(request_id)
         emit = self._emitter(stream)
         here = self.tokenizer is not None and not params.stop

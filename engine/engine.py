@@ -24,7 +24,8 @@ from engine.persistent import SequenceTable
 from engine.prompt_logprobs import ScoredSequence, take_prompt_logprobs
 from engine.prompt_logprobs import prompt_rows as plp_rows
 from engine.runner import ModelRunner
-from engine.sampling import Sampler, SamplingParams, make_generator
+from engine.sampling import Sampler, make_generator
+from engine.sampling_params import SamplingParams
 from engine.scheduler import Chunk, Scheduler
 from engine.sequence import Request, Sequence
 from engine.step import FlatStep, flatten_step
@@ -257,10 +258,6 @@ class Engine:
         return children
 
     # ----- admission and reports ---------------------------------------------------------------
-    def compile_grammar(self, params: SamplingParams):
-        """`Admission.compile_grammar` (thread-safe: the HTTP layer compiles before it submits)."""
-        return self.admission.compile_grammar(params)
-
     def stats(self) -> EngineStats:
         sched = self.scheduler
         idle = self.persistent.n_idle()

@@ -29,7 +29,7 @@ import json
 import torch
 
 from engine.errors import InvalidRequest
-from engine.sampling import GuidedDecoding
+from engine.sampling_params import GuidedDecoding
 
 # JSON is produced compactly (`, ` and `: ` separators, no free whitespace): a model cannot loop on
 # whitespace inside a structure, and any JSON parser reads it (vLLM's `disable_any_whitespace`).

@@ -13,7 +13,7 @@ from tqdm.auto import tqdm
 from engine.args import EngineArgs, build_engine
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 
 @dataclass

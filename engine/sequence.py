@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.outputs import PromptLogprobs, RequestOutput, Timing
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # annotations only: the detokenizer and the grammar load tokenizers / xgrammar
     from engine.detok import IncrementalDetokenizer

@@ -24,7 +24,7 @@ from server.metrics import RequestObserver, ServerMetrics
 
 if TYPE_CHECKING:  # types only: the server does not import the engine (torch) at run time
     from engine.async_engine import AsyncEngine
-    from engine.sampling import SamplingParams
+    from engine.sampling_params import SamplingParams
 
 _END = object()
 

@@ -6,9 +6,9 @@ engine becomes a 400 naming that param, so a range the pydantic schema does not 
 reported precisely.
 """
 
-import asyncio
 from typing import Any
 
+from engine.sampling_params import GuidedDecoding, SamplingParams
 from server.errors import APIError
 from server.protocol import SamplingFields
 
@@ -18,11 +18,9 @@ PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids
 
 
 def sampling_params(fields: SamplingFields, *, max_tokens: int, logprobs: int | None,
-                    guided: dict | None = None, prompt_logprobs: int | None = None) -> Any:
+                    guided: dict | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
     """`guided`: an output constraint that overrides the fields' own (tool calls build one).
     `prompt_logprobs`: also score the prompt tokens (with this many alternatives each)."""
-    from engine.sampling import GuidedDecoding, SamplingParams  # the engine's types; lazily (torch-heavy)
-
     kwargs: dict[str, Any] = {"max_tokens": max_tokens, "n": fields.n, "ignore_eos": fields.ignore_eos,
                               "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
     for name in PASSTHROUGH:
@@ -41,12 +39,3 @@ def sampling_params(fields: SamplingFields, *, max_tokens: int, logprobs: int | 
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as exc:
         raise APIError(400, f"invalid sampling parameters: {exc}", param=getattr(exc, "param", None)) from exc
-
-
-async def precompile_grammar(engine: Any, params: Any) -> None:
-    """Compile a structured-output request's grammar in a worker thread before it is submitted: a grammar
-    that cannot compile is a 400 naming its field here, and the engine's admission then finds it in
-    xgrammar's cache instead of compiling on the engine's tick (which every stream waits on)."""
-    inner = getattr(engine, "engine", None)  # the AsyncEngine's Engine
-    if getattr(params, "guided", None) is not None and hasattr(inner, "compile_grammar"):
-        await asyncio.to_thread(inner.compile_grammar, params)

@@ -21,6 +21,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
+from engine.sampling_params import MAX_LOGPROBS, MAX_N, MAX_TEMPERATURE, PENALTY_RANGE, check_logit_bias
 from server.protocol_base import ParamError, StrictModel
 from server.protocol_fields import (
     CHAT_ONLY,
@@ -36,8 +37,6 @@ from server.protocol_fields import (
     template_arguments,
 )
 
-MAX_LOGPROBS = 20
-MAX_N = 64
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
@@ -131,7 +130,7 @@ class SamplingFields(StrictModel):
 
     model: str | None = None
     max_tokens: int | None = Field(None, ge=1)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
@@ -141,8 +140,8 @@ class SamplingFields(StrictModel):
     n: int = Field(1, ge=1, le=MAX_N)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
+    frequency_penalty: float | None = Field(None, ge=PENALTY_RANGE[0], le=PENALTY_RANGE[1])
     repetition_penalty: float | None = Field(None, gt=0.0)
     logit_bias: dict[str, float] | None = None
     ignore_eos: bool = False
@@ -168,11 +167,7 @@ class SamplingFields(StrictModel):
     @field_validator("logit_bias")
     @classmethod
     def _bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
-        for key, bias in (value or {}).items():
-            if not key.lstrip("-").isdigit() or int(key) < 0:
-                raise ValueError(f"logit_bias keys must be token ids as strings, got {key!r}")
-            if not -100.0 <= bias <= 100.0:
-                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
+        check_logit_bias(value)  # the engine's rule: keys are token ids, values in its range
         return value
 
     @model_validator(mode="after")
@@ -202,7 +197,7 @@ class SamplingFields(StrictModel):
         return self
 
     def guided(self) -> dict | None:
-        """The output constraint as `engine.sampling.GuidedDecoding` fields (kind, spec, choices, param)."""
+        """The output constraint as `engine.sampling_params.GuidedDecoding` fields (kind, spec, choices, param)."""
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
             return {"kind": "json_object", "param": "response_format"}
@@ -219,7 +214,7 @@ class SamplingFields(StrictModel):
         return None
 
     def logit_bias_ids(self) -> dict[int, float] | None:
-        return {int(k): v for k, v in self.logit_bias.items()} if self.logit_bias else None
+        return check_logit_bias(self.logit_bias) or None
 
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)

@@ -12,7 +12,7 @@ from engine.ids import new_id
 from server.context import ServerContext
 from server.errors import APIError
 from server.generation import GenerationRun
-from server.params import COMPLETION_DEFAULT_MAX_TOKENS, precompile_grammar, sampling_params
+from server.params import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
 from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.serving import ChatFormatter, Formatter, serve
 from server.sse import STREAMED_200
@@ -34,7 +34,6 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     engine.check_fits([len(p) for p in prompts], max_tokens, body.n)
     params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs,
                              prompt_logprobs=body.prompt_logprobs_k())
-    await precompile_grammar(engine, params)
     run = GenerationRun(engine, new_id("cmpl"), prompts, params, metrics=ctx.metrics)
     fmt = Formatter(ctx, run, n=body.n, want_logprobs=body.logprobs is not None,
                     include_usage=body.include_usage(), prefixes=prefixes, vllm_prompt_logprobs=body.prompt_logprobs)
@@ -66,7 +65,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         guided = call_grammar(body.tools, body.tool_name(), parallel=body.parallel_tool_calls,
                               triggered=mode == "auto")
     params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, guided=guided)
-    await precompile_grammar(engine, params)
     run = GenerationRun(engine, new_id("chatcmpl"), [prompt], params, metrics=ctx.metrics)
     fmt = ChatFormatter(ctx, run, n=body.n, want_logprobs=body.logprobs, include_usage=body.include_usage(),
                         tools=mode != "none", parallel_tool_calls=body.parallel_tool_calls)

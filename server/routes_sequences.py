@@ -19,7 +19,7 @@ from engine.errors import EngineError
 from engine.ids import new_id
 from server.context import ServerContext
 from server.generation import ClientGone, GenerationRun, await_or_disconnect
-from server.params import COMPLETION_DEFAULT_MAX_TOKENS, precompile_grammar, sampling_params
+from server.params import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
 from server.protocol import ForkRequest, SequenceCompletionRequest, SequenceCreateRequest, TruncateRequest
 from server.responses import sequence_view
 from server.serving import Formatter, serve
@@ -78,7 +78,6 @@ async def sequence_completions(seq_id: str, body: SequenceCompletionRequest, req
     ids = await _prompt_ids(ctx, body.prompt, body.messages, body.add_generation_prompt, add_special_tokens=False)
     max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
     params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
-    await precompile_grammar(engine, params)
     run = GenerationRun(engine, new_id("seqcmpl"), [ids], params, seq_id=seq_id, metrics=ctx.metrics)
     fmt = Formatter(ctx, run, n=1, want_logprobs=body.logprobs is not None, include_usage=body.include_usage(),
                     extra={"sequence_id": seq_id})

@@ -10,7 +10,7 @@ Guarantees:
   `<tool_call>` the model chose to open; "none" renders no tools and parses nothing.
 - `parse_tool_calls` and `ToolCallStream` agree: the same text gives the same calls and content,
   whole or streamed in any split. A block that is not a valid call stays in the content, as text.
-- Torch-free: the grammar leaves here as JSON text (`engine.sampling.GuidedDecoding` fields).
+- Torch-free: the grammar leaves here as JSON text (`engine.sampling_params.GuidedDecoding` fields).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from engine.engine import Engine, EngineConfig
 from engine.outputs import RequestOutput
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 

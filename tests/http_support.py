@@ -34,7 +34,7 @@ class Greedy:
         self.tokenizer = self.llm.tokenizer
 
     def __call__(self, prompt_ids: list[int], max_tokens: int, **kw):
-        from engine.sampling import SamplingParams
+        from engine.sampling_params import SamplingParams
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
         return self.llm.generate([list(prompt_ids)], params, use_tqdm=False)[0].outputs[0]

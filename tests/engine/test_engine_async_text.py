@@ -11,7 +11,7 @@ import pytest
 from engine_support import Collector, drain, make_engine, scripted_model, shared_tokenizer, text_model
 
 from engine.async_engine import AsyncEngine
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 
 class RecordingTokenizer:

@@ -17,7 +17,7 @@ from tiny_models import tiny_model
 
 from engine.llm import LLM
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 PROMPTS = [prompt(2 + 3 * i, seed=i) for i in range(16)]  # 2 .. 47 tokens
 MAX_TOKENS = 10

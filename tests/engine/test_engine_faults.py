@@ -14,7 +14,7 @@ from engine_support import (
 from tiny_models import tiny_model
 
 from engine import native
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 
 class Boom(RuntimeError):

@@ -26,7 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from tiny_models import tiny_model
 
 from engine.prefix_cache import PrefixIndex
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
 

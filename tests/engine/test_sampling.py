@@ -9,14 +9,8 @@ import pytest
 import torch
 
 from engine.errors import InvalidRequest
-from engine.sampling import (
-    Sampler,
-    SampleResult,
-    SamplingError,
-    SamplingParams,
-    check_stop_token,
-    make_generator,
-)
+from engine.sampling import Sampler, SampleResult, check_stop_token, make_generator
+from engine.sampling_params import SamplingError, SamplingParams
 
 sample = Sampler()
 

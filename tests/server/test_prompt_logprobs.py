@@ -10,7 +10,7 @@ from http_support import LiveServer, sse_events
 from tiny_models import full_logits
 
 from engine.errors import InvalidRequest
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 TOL = 1e-4
 

@@ -15,7 +15,7 @@ from http_support import LiveServer, sse_events
 
 from engine.llm import LLM
 from engine.models import DEFAULT_MODEL_DIR
-from engine.sampling import GuidedDecoding, SamplingError, SamplingParams
+from engine.sampling_params import GuidedDecoding, SamplingError, SamplingParams
 
 SCHEMA = {
     "type": "object",

@@ -7,18 +7,25 @@ greedy tokens, EOS ignored) are submitted at once and run to completion by:
 - sequential `model.generate`, one request after another (measured on a few requests, as tokens/s).
 It prints the command, the machine and generated tokens/s with ratios against the baselines, and
 the share of each step spent outside the model forward (scheduling, planning, sampling, detok).
+
+It also holds what the engine-side benchmarks share (engine/benchmark_core.py): the 56M model, its
+prompts, `Row`, `Clock`, the `generate` baseline and the machine description. It never imports
+server/: the words of `--save-model`'s tokenizer (the load generator's) are handed to `main` by
+`cellserve bench engine` (server/cli.py).
 """
 
 import argparse
 import json
+import os
 import platform
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 
 import torch
 
-from engine.engine import Engine, EngineConfig
+from engine.args import EngineArgs, build_engine
 from engine.runner import ModelRunner
 from engine.sampling import SamplingParams
 
@@ -44,6 +51,20 @@ class Row:
         return self.generated_tokens / self.wall_s
 
 
+class Clock:
+    """Wall and process-CPU time together (CPU time counts every torch thread; steadier on a shared box)."""
+
+    def __init__(self):
+        self.wall, self.cpu = time.perf_counter(), time.process_time()
+
+    def lap(self) -> tuple[float, float]:
+        """(wall s, cpu s) since the last lap, or since the clock was made."""
+        wall, cpu = time.perf_counter(), time.process_time()
+        out = (wall - self.wall, cpu - self.cpu)
+        self.wall, self.cpu = wall, cpu
+        return out
+
+
 def bench_llama_56m(seed: int = 0):
     """The benchmarks' model: Llama, hidden 512, 8 layers, 8 heads, 4 KV heads, vocab 32000, random weights."""
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -54,16 +75,14 @@ def bench_llama_56m(seed: int = 0):
     return LlamaForCausalLM(config).eval()
 
 
-def save_bench_model(path, dtype: str = "float32") -> str:
-    """The 56M model as a servable folder, with a 32000-word WordLevel tokenizer (the load generator's
-    common English words first, then fillers) so that every id decodes to text. Random weights."""
+def save_bench_model(path, dtype: str = "float32", words: Iterable[str] = ()) -> str:
+    """The 56M model as a servable folder, with a 32000-word WordLevel tokenizer (`words` first: the
+    load generator's common English words, then fillers) so that every id decodes to text. Random weights."""
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    from server.bench.workloads import WORDS
-
     specials = ["<unk>", "<s>", "</s>"]
-    words = specials + list(dict.fromkeys(WORDS)) + [f"w{i}" for i in range(32000)]
+    words = specials + list(dict.fromkeys(words)) + [f"w{i}" for i in range(32000)]
     vocab = {w: i for i, w in enumerate(words[:32000])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
@@ -104,9 +123,11 @@ def run_cellserve(model, prompts, output_len: int, attention: str, concurrency: 
     arrive while others decode, as in a real load; `prefill_cap` sets the scheduler's prefill tokens
     per tick while sequences decode."""
     concurrency = concurrency or len(prompts)
-    n_cells = concurrency * (max(len(p) for p in prompts) + output_len) + 64
-    runner = TimedRunner(model, n_cells=n_cells, attention=attention, native=native)
-    engine = Engine(runner, EngineConfig(max_num_seqs=256, max_num_batched_tokens=2048, max_queue=1 << 20))
+    # a pool that holds every request in flight, full batches, no queue limit; the rest: EngineArgs' defaults
+    args = EngineArgs(n_cells=concurrency * (max(len(p) for p in prompts) + output_len) + 64, attention=attention,
+                      max_num_batched_tokens=2048, max_queue=1 << 20)
+    runner = TimedRunner(model, **args.runner_kwargs(), native=native)
+    engine = build_engine(args, runner)
     if prefill_cap is not None:
         engine.scheduler.prefill_while_decoding = prefill_cap
     g = torch.Generator().manual_seed(2)
@@ -115,7 +136,7 @@ def run_cellserve(model, prompts, output_len: int, attention: str, concurrency: 
     sent: dict[str, float] = {}
     ttft: list[float] = []
     pending = list(enumerate(prompts))
-    t0, c0 = time.perf_counter(), time.process_time()
+    clock = Clock()
 
     def submit(k: int) -> None:
         for _ in range(k):
@@ -129,18 +150,19 @@ def run_cellserve(model, prompts, output_len: int, attention: str, concurrency: 
     gaps, cpu_gaps = [], []
     while engine.has_unfinished():
         decoding = any(s.num_generated > 0 for s in engine.scheduler.running)
-        ts, cs = time.perf_counter(), time.process_time()
+        step = Clock()
         outs = engine.step()
-        step_s += time.perf_counter() - ts
+        wall, cpu = step.lap()
+        step_s += wall
         if decoding:
-            gaps.append(time.perf_counter() - ts)
-            cpu_gaps.append(time.process_time() - cs)
+            gaps.append(wall)
+            cpu_gaps.append(cpu)
         now = time.perf_counter()
         for out in outs:
             if out.request_id in sent and out.outputs and out.outputs[0].token_ids:
                 ttft.append(now - sent.pop(out.request_id))
         submit(sum(o.finished for o in outs))
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    wall, cpu = clock.lap()
     q, gap, cpu_gap = torch.tensor(ttft), torch.tensor(gaps or [0.0]) * 1e3, torch.tensor(cpu_gaps or [0.0]) * 1e3
     name = f"cellserve ({attention}{', native' if runner.native is not None else ''}"
     name += f", cap {prefill_cap})" if prefill_cap is not None else ")"
@@ -156,29 +178,37 @@ def run_hf_cb(model, prompts, output_len: int) -> Row:
     model.set_attn_implementation("sdpa")  # a ModelRunner over this model switched it to cell_gather
     with torch.inference_mode():
         model.generate_batch(prompts[:1], generation_config=config)  # warm-up, not timed
-        t0, c0 = time.perf_counter(), time.process_time()
+        clock = Clock()
         out = model.generate_batch(prompts, generation_config=config)
-    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     n = sum(len(o.generated_tokens) for o in out.values())
-    return Row("transformers generate_batch", len(prompts), n, wall, cpu)
+    return Row("transformers generate_batch", len(prompts), n, *clock.lap())
 
 
-def run_hf_generate(model, prompts, output_len: int) -> Row:
-    model.set_attn_implementation("sdpa")
-    t0, c0 = time.perf_counter(), time.process_time()
-    n = 0
+def run_hf_generate(model, prompts, output_len: int, streamer=None) -> Row:
+    """transformers' `generate`, one request after another, exactly `output_len` greedy tokens each;
+    `streamer` (a `generate` streamer) sees every request's prompt and tokens."""
+    model.set_attn_implementation("sdpa")  # a ModelRunner over this model switched it to cell_gather
+    clock, n = Clock(), 0
     with torch.inference_mode():
         for p in prompts:
             out = model.generate(torch.tensor([p]), max_new_tokens=output_len, min_new_tokens=output_len,
-                                 do_sample=False, pad_token_id=0)
+                                 do_sample=False, pad_token_id=0, streamer=streamer)
             n += out.shape[1] - len(p)
-    return Row("transformers generate (sequential)", 1, n, time.perf_counter() - t0, time.process_time() - c0)
+    return Row("transformers generate (sequential)", 1, n, *clock.lap())
+
+
+def machine_info() -> dict:
+    """Where a benchmark ran, as torch sees it (call after `torch.set_num_threads`)."""
+    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
+            "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(), "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None}
 
 
 def machine() -> str:
-    return (f"{platform.platform()} | {platform.processor() or platform.machine()} | "
-            f"{torch.get_num_threads()} torch threads of {torch.multiprocessing.cpu_count()} CPUs | "
-            f"torch {torch.__version__}")
+    """`machine_info` on one line."""
+    m = machine_info()
+    return (f"{m['platform']} | {m['processor']} | {m['threads']} torch threads of {m['cpu_count']} CPUs | "
+            f"torch {m['torch']}")
 
 
 def print_table(rows: list[Row], baseline: Row) -> None:
@@ -192,7 +222,8 @@ def print_table(rows: list[Row], baseline: Row) -> None:
               f"{r.generated_tokens / r.cpu_s:9.1f} {r.tok_s / baseline.tok_s:10.2f} {ttft} {out} {gap}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, words: Iterable[str] = ()) -> int:
+    """`cellserve bench engine ARGS`; `words` go first in `--save-model`'s tokenizer."""
     ap = argparse.ArgumentParser(prog="cellserve bench engine", description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="local HF folder (default: the 56M-parameter Llama config, random weights)")
     ap.add_argument("--concurrency", default="1,8,32,64", help="comma-separated request counts")
@@ -217,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
                     "for `cellserve serve --model DIR`, and exit")
     args = ap.parse_args(argv)
     if args.save_model:
-        print("saved", save_bench_model(args.save_model, args.dtype))
+        print("saved", save_bench_model(args.save_model, args.dtype, words))
         return 0
     torch.set_num_threads(args.threads)
     print("command:", "cellserve bench engine", " ".join(argv if argv is not None else sys.argv[1:]))

@@ -214,6 +214,11 @@ def _bench(argv: list[str]) -> int:
               "overhead: server vs offline engine throughput on one workload, in one run)",
               file=sys.stderr)
         return 2
+    if argv[0] == "engine":  # offline, in engine/; its --save-model tokenizer knows the load generator's words
+        from engine.bench_engine import main as bench_engine
+        from server.bench.workloads import WORDS
+
+        return int(bench_engine(argv[1:], words=WORDS) or 0)
     module = f"server.bench.{argv[0]}"
     try:
         mod = __import__(module, fromlist=["main"])

@@ -31,6 +31,7 @@ import httpx
 from server.bench.report import machine_info
 
 HEALTH_TIMEOUT_S = 300.0
+BENCH_ENGINE = [sys.executable, "-m", "server.cli", "bench", "engine"]
 
 
 def _free_port() -> int:
@@ -48,7 +49,7 @@ def _run(cmd: list[str], log: Path) -> None:
 
 def offline_tok_s(args: argparse.Namespace, model: str, work: Path, k: int) -> float:
     out = work / f"offline_{k}.json"
-    _run([sys.executable, "-m", "engine.bench_engine", "--model", model, "--dtype", args.dtype,
+    _run([*BENCH_ENGINE, "--model", model, "--dtype", args.dtype,
           "--threads", str(args.threads), "--concurrency", str(args.concurrency), "--requests", str(args.requests),
           "--prompt-len", str(args.prompt_len), "--output-len", str(args.output_len), "--hf-cb", "",
           "--generate-requests", "1", "--json", str(out)], work / f"offline_{k}.log")
@@ -73,12 +74,13 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
 def server_tok_s(args: argparse.Namespace, model: str, work: Path, k: int) -> float:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    # the offline run's engine settings: a pool that holds every request in flight, full batches
+    # the offline run's engine settings (engine/bench_engine.py run_cellserve): a pool that holds every request
+    # in flight, full batches; the rest are the defaults both sides take from EngineArgs
     n_cells = args.concurrency * (args.prompt_len + 1 + args.output_len) + 64
     log = work / f"server_{k}.log"
     serve = [sys.executable, "-m", "server.cli", "serve", "--model", model, "--dtype", args.dtype,
              "--threads", str(args.threads), "--port", str(port), "--n-cells", str(n_cells),
-             "--max-num-batched-tokens", "2048", "--max-num-seqs", "256", "--log-level", "warning"]
+             "--max-num-batched-tokens", "2048", "--log-level", "warning"]
     with log.open("w") as f:
         proc = subprocess.Popen(serve, stdout=f, stderr=subprocess.STDOUT)
     try:
@@ -127,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         model = args.model
         if model is None:
             model = str(work / "bench56m")
-            _run([sys.executable, "-m", "engine.bench_engine", "--save-model", model], work / "save_model.log")
+            _run([*BENCH_ENGINE, "--save-model", model], work / "save_model.log")
         pairs = []
         print(f"{'pair':>4} {'offline tok/s':>14} {'server tok/s':>13} {'server/offline':>15}", flush=True)
         for k in range(args.pairs):

@@ -117,11 +117,6 @@ class AsyncEngine:
         return cls.launch(lambda: build_engine(args), model_name or name)
 
     # ----- lifecycle -------------------------------------------------------------------------
-    def start(self) -> None:
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._loop, name="cellserve-engine", daemon=True)
-            self._thread.start()
-
     async def shutdown(self, grace_s: float = 5.0) -> None:
         """Stop admitting, let in-flight requests finish for up to `grace_s`, cancel the rest, stop."""
         self._accepting = False

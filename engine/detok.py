@@ -152,13 +152,24 @@ def context_ids(token_ids: Sequence[int]) -> list[int]:
     return list(token_ids[-(CONTEXT_TOKENS + 3):])
 
 
+def choice_text(detok: IncrementalDetokenizer, token_ids: list[int], finish_reason: str | None) -> str:
+    """The text a choice's new tokens add, by the one rule both the engine and `OutputDetokenizer` use:
+    the token that ends a choice with `stop` (EOS, a stop-token id, a complete grammar) carries no text,
+    and a choice that ends by `stop` or `length` flushes what the detokenizer held back (a cancelled or
+    failed one does not)."""
+    ids = token_ids[:-1] if finish_reason == "stop" else token_ids
+    text = detok.push(ids) if ids else ""
+    if finish_reason in ("stop", "length"):
+        text += detok.flush()
+    return text
+
+
 class OutputDetokenizer:
     """Fills in the `text` of one request's outputs, on the consumer's thread instead of the engine's.
 
     For a request the engine ran with `detokenize=False` (no stop strings), it feeds each choice's
-    token ids to an `IncrementalDetokenizer` exactly as the engine would have, so the text is the
-    same: the token that ends a choice by EOS or a stop-token id carries no text; a choice that ends
-    by `stop` or `length` flushes what was held back; a cancelled or failed one does not.
+    token ids to an `IncrementalDetokenizer` by the engine's own rule (`choice_text`), so the text is
+    the same.
     `context` is the sequence's tokens before generation (`context_ids`), shared by all choices.
     """
 
@@ -172,8 +183,5 @@ class OutputDetokenizer:
             detok = self._choices.get(choice.index)
             if detok is None:
                 detok = self._choices[choice.index] = IncrementalDetokenizer(self.tokenizer, self.context)
-            ids = choice.token_ids[:-1] if choice.finish_reason == "stop" else choice.token_ids
-            choice.text = detok.push(ids) if ids else ""
-            if choice.finish_reason in ("stop", "length"):
-                choice.text += detok.flush()
+            choice.text = choice_text(detok, choice.token_ids, choice.finish_reason)
         return out

@@ -1,16 +1,16 @@
 """Output processing: a sampled token becomes text, a finish, and a `RequestOutput` delta.
 
-`OutputProcessor` holds the one rule for a choice's next token (engine side): append it, feed the
+`OutputProcessor` holds the rule for a choice's next token (engine side): append it, feed the
 grammar, decide the finish (EOS, stop-token ids, max_tokens, a complete grammar, a stop string), and
-detokenize (EOS and stop-token ids carry no text; a finish flushes what the detokenizer held back).
-`engine.detok.OutputDetokenizer` applies the same text rule off the engine thread for requests that
-asked for no engine-side text. It also ends choices (asking the scheduler to retire, idle or release
+detokenize by `engine.detok.choice_text` (the one text rule, which `OutputDetokenizer` applies off the
+engine thread for requests that asked for no engine-side text). It also ends choices (asking the scheduler to retire, idle or release
 their sequence) and emits each request's delta exactly once per tick, with every finish reported once.
 """
 
 import logging
 import time
 
+from engine.detok import choice_text
 from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.sampling import check_stop_token
 from engine.scheduler import Chunk, Scheduler
@@ -40,12 +40,9 @@ class OutputProcessor:
             if seq.grammar.terminated:  # the grammar was complete and took EOS: the choice is done
                 stop = ("stop", None)
         if seq.detok is not None:
-            if stop is None or stop[0] != "stop":  # EOS and stop-token ids carry no text
-                out.text = seq.detok.push(token)
-            if seq.detok.stopped:
+            out.text = choice_text(seq.detok, [token], stop[0] if stop else None)
+            if seq.detok.stopped:  # the token completed a stop string: the text is cut before it
                 stop = ("stop", seq.detok.stop_reason)
-            elif stop is not None:
-                out.text += seq.detok.flush()
         if stop is not None:
             out.finish_reason, out.stop_reason = stop
             self.finish(seq, stop[0])

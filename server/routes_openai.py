@@ -26,7 +26,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     ctx = ServerContext.of(request)
     engine = ctx.require_engine()
     ctx.limits.check_choices(len(body.prompt), body.n)
-    prompts = [await ctx.tokens.encode(p) if isinstance(p, str) else p for p in body.prompt]
+    prompts = [await ctx.tokens.prompt_ids(p) for p in body.prompt]
     prefixes = None
     if body.echo:
         prefixes = [p if isinstance(p, str) else await ctx.tokens.decode(p) for p in body.prompt]

@@ -80,19 +80,10 @@ async def cancel_request(request_id: str, request: Request) -> dict:
 async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     ctx = ServerContext.of(request)
     engine = ctx.require_engine()
-    if body.messages is not None:
-        dicts = [m.as_template_dict() for m in body.messages]
-        ids = await ctx.tokens.encode_chat(dicts, add_generation_prompt=body.add_generation_prompt)
-    else:
-        ids = list(await _encode_raw(ctx, body.prompt, body.add_special_tokens))
+    ids = await ctx.tokens.prompt_ids(body.prompt, body.messages, add_generation_prompt=body.add_generation_prompt,
+                                      add_special_tokens=body.add_special_tokens, empty_ok=True)
     strs = [ctx.tokens.token_str(t) for t in ids] if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
-
-
-async def _encode_raw(ctx: ServerContext, text: str, add_special_tokens: bool) -> list[int]:
-    if not text:
-        return []
-    return await ctx.tokens.encode(text, add_special_tokens=add_special_tokens)
 
 
 @router.post("/detokenize")

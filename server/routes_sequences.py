@@ -28,23 +28,12 @@ from server.sse import STREAMED_200
 router = APIRouter()
 
 
-async def _prompt_ids(ctx: ServerContext, prompt: str | list[int] | None, messages: list | None,
-                      add_generation_prompt: bool, *, add_special_tokens: bool) -> list[int]:
-    if messages is not None:
-        dicts = [m.as_template_dict() for m in messages]
-        return await ctx.tokens.encode_chat(dicts, add_generation_prompt=add_generation_prompt)
-    if isinstance(prompt, str):
-        if not prompt:
-            return []
-        return await ctx.tokens.encode(prompt, add_special_tokens=add_special_tokens)
-    return list(prompt or [])
-
-
 @router.post("/v1/sequences", response_model=None)
 async def create_sequence(body: SequenceCreateRequest, request: Request) -> Response | dict:
     ctx = ServerContext.of(request)
     engine = ctx.require_engine()
-    ids = await _prompt_ids(ctx, body.prompt, body.messages, body.add_generation_prompt, add_special_tokens=True)
+    ids = await ctx.tokens.prompt_ids(body.prompt, body.messages, add_generation_prompt=body.add_generation_prompt,
+                                      empty_ok=True)
     if not ids:
         ids = await ctx.tokens.encode("")  # BOS, or a 400 saying the model has none
     work = asyncio.ensure_future(engine.create_sequence(ids))
@@ -75,7 +64,8 @@ async def sequence_completions(seq_id: str, body: SequenceCompletionRequest, req
     """Append the optional prompt/messages (no BOS: this continues a history), then generate into it."""
     ctx = ServerContext.of(request)
     engine = ctx.require_engine()
-    ids = await _prompt_ids(ctx, body.prompt, body.messages, body.add_generation_prompt, add_special_tokens=False)
+    ids = await ctx.tokens.prompt_ids(body.prompt, body.messages, add_generation_prompt=body.add_generation_prompt,
+                                      add_special_tokens=False, empty_ok=True)
     max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
     params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
     run = GenerationRun(engine, new_id("seqcmpl"), [ids], params, seq_id=seq_id, metrics=ctx.metrics)

@@ -37,6 +37,21 @@ class TokenizerService:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.tok, "chat_template", None))
 
+    async def prompt_ids(self, prompt: str | Sequence[int] | None, messages: Sequence[Any] | None = None, *,
+                         add_generation_prompt: bool = True, add_special_tokens: bool = True,
+                         empty_ok: bool = False) -> list[int]:
+        """The one way a request's prompt becomes token ids: chat `messages` through the template, text
+        through the tokenizer, token ids as given. `empty_ok`: an empty text stays empty (a sequence
+        continuation with nothing to append, /tokenize of ""); otherwise it becomes `[bos]` (or a 400)."""
+        if messages is not None:
+            dicts = [m.as_template_dict() for m in messages]
+            return await self.encode_chat(dicts, add_generation_prompt=add_generation_prompt)
+        if isinstance(prompt, str):
+            if not prompt and empty_ok:
+                return []
+            return await self.encode(prompt, add_special_tokens=add_special_tokens)
+        return list(prompt or [])
+
     async def encode(self, text: str, *, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         self.check_length([text], param)
         ids = await asyncio.to_thread(self.tok.encode, text, add_special_tokens=add_special_tokens)

@@ -36,10 +36,9 @@ async def _collect(stream) -> tuple[list[int], str | None, int]:
 
 def test_concurrent_submits_equal_solo_runs(model):
     prompts = [prompt(3 + 4 * i, seed=i) for i in range(6)]
-    aeng = AsyncEngine(make_engine(model=model, n_cells=256))
+    aeng = AsyncEngine.launch(lambda: make_engine(model=model, n_cells=256))
 
     async def main():
-        aeng.start()
         streams = [await aeng.submit(f"r{i}", p, greedy(8)) for i, p in enumerate(prompts)]
         results = await asyncio.gather(*(_collect(s) for s in streams))
         await aeng.shutdown()
@@ -54,10 +53,9 @@ def test_concurrent_submits_equal_solo_runs(model):
 
 
 def test_refusals_raise_from_the_awaited_call(model):
-    aeng = AsyncEngine(make_engine(model=model, n_cells=64))
+    aeng = AsyncEngine.launch(lambda: make_engine(model=model, n_cells=64))
 
     async def main():
-        aeng.start()
         with pytest.raises(InvalidRequest):
             await aeng.submit("x", [], greedy(3))
         with pytest.raises(PromptTooLong):
@@ -76,10 +74,9 @@ def test_refusals_raise_from_the_awaited_call(model):
 
 
 def test_cancel_nowait_ends_the_stream_and_frees_cells(model):
-    aeng = AsyncEngine(make_engine(model=model, n_cells=256))
+    aeng = AsyncEngine.launch(lambda: make_engine(model=model, n_cells=256))
 
     async def main():
-        aeng.start()
         stream = await aeng.submit("long", prompt(10, 2), greedy(200))
         first = await stream.__anext__()
         aeng.cancel_nowait("long")
@@ -94,11 +91,10 @@ def test_cancel_nowait_ends_the_stream_and_frees_cells(model):
 
 
 def test_persistent_sequence_verbs(model):
-    aeng = AsyncEngine(make_engine(model=model, n_cells=128))
+    aeng = AsyncEngine.launch(lambda: make_engine(model=model, n_cells=128))
     p = prompt(9, seed=3)
 
     async def main():
-        aeng.start()
         info = await aeng.create_sequence(p)
         assert (info.length, info.n_cached, info.status) == (9, 8, "idle")
         tokens, finish, _ = await _collect(await aeng.submit("c", [4], greedy(5), seq_id=info.seq_id))
@@ -121,10 +117,9 @@ def test_persistent_sequence_verbs(model):
 
 
 def test_shutdown_lets_short_work_finish_within_grace(model):
-    aeng = AsyncEngine(make_engine(model=model, n_cells=256))
+    aeng = AsyncEngine.launch(lambda: make_engine(model=model, n_cells=256))
 
     async def main():
-        aeng.start()
         stream = await aeng.submit("short", prompt(6, 5), greedy(4))
         await aeng.shutdown(grace_s=TIMEOUT_S)
         return await _collect(stream)
@@ -134,10 +129,9 @@ def test_shutdown_lets_short_work_finish_within_grace(model):
 
 
 def test_shutdown_cancels_what_is_left_and_refuses_new_work(model):
-    aeng = AsyncEngine(make_engine(model=model, n_cells=256))
+    aeng = AsyncEngine.launch(lambda: make_engine(model=model, n_cells=256))
 
     async def main():
-        aeng.start()
         stream = await aeng.submit("long", prompt(10, 4), greedy(240))
         await stream.__anext__()
         await aeng.shutdown(grace_s=0)  # commands are applied before every step: the cancel comes first

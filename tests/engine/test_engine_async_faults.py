@@ -53,11 +53,10 @@ def _wait_until(predicate, timeout: float = 10.0) -> None:
 
 
 def test_commands_cancelled_while_queued_never_run_and_the_loop_survives(model):
-    aeng = AsyncEngine(make_engine(model=model, n_cells=256))
+    aeng = AsyncEngine.launch(lambda: make_engine(model=model, n_cells=256))
     p = prompt(8, seed=1)
 
     async def main():
-        aeng.start()
         info = await aeng.create_sequence(p)
         gate = _block_loop(aeng)
         tasks = [asyncio.create_task(aeng.fork(info.seq_id)),
@@ -81,12 +80,11 @@ def test_commands_cancelled_while_queued_never_run_and_the_loop_survives(model):
 
 
 def test_commands_that_ran_before_their_caller_left_are_undone(model):
-    aeng = AsyncEngine(make_engine(model=model, n_cells=256))
+    aeng = AsyncEngine.launch(lambda: make_engine(model=model, n_cells=256))
     engine = aeng.engine
     p = prompt(8, seed=2)
 
     async def main():
-        aeng.start()
         info = await aeng.create_sequence(p)
         # The event loop is blocked while the engine applies each command, so the caller is cancelled
         # after the command ran but before it could see the result.
@@ -118,7 +116,7 @@ class _Fatal(BaseException):
 
 
 def test_a_dead_loop_fails_in_flight_work_and_refuses_new_work(model):
-    aeng = AsyncEngine(make_engine(model=model, n_cells=256))
+    aeng = AsyncEngine.launch(lambda: make_engine(model=model, n_cells=256))
     heard: list[str] = []
     aeng.on_failure = heard.append
     real_step = aeng.engine.step
@@ -133,7 +131,6 @@ def test_a_dead_loop_fails_in_flight_work_and_refuses_new_work(model):
     aeng.engine.step = dying_step
 
     async def main():
-        aeng.start()
         stream = await aeng.submit("r", prompt(6, seed=5), greedy(50))
         outs = [out async for out in stream]
         with pytest.raises(EngineUnavailable, match="boom"):

@@ -55,11 +55,10 @@ def _engine_side(model, tok, prompt_ids, params) -> list[list[str]]:
 
 def _async_side(model, tok, prompt_ids, params) -> tuple[list[list[str]], RecordingTokenizer]:
     recording = RecordingTokenizer(tok)
-    aeng = AsyncEngine(make_engine(model=model, tokenizer=recording, n_cells=256))
+    aeng = AsyncEngine.launch(lambda: make_engine(model=model, tokenizer=recording, n_cells=256))
     texts: dict[int, list[str]] = {}
 
     async def main():
-        aeng.start()
         async for out in await aeng.submit("r", prompt_ids, params):
             for c in out.outputs:
                 texts.setdefault(c.index, []).append(c.text)
@@ -121,10 +120,9 @@ def test_continuing_a_sequence_decodes_with_its_history_as_context(tok):
         expected.append(got.texts[0])
 
     recording = RecordingTokenizer(tok)
-    aeng = AsyncEngine(make_engine(model=model, tokenizer=recording, n_cells=256))
+    aeng = AsyncEngine.launch(lambda: make_engine(model=model, tokenizer=recording, n_cells=256))
 
     async def main():
-        aeng.start()
         info = await aeng.create_sequence(ids[:3])
         texts = []
         for k in range(3):

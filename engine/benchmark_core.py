@@ -25,7 +25,6 @@ import argparse
 import functools
 import json
 import os
-import platform
 import shlex
 import statistics
 import sys
@@ -33,15 +32,17 @@ import time
 from dataclasses import asdict, dataclass
 
 import torch
-from transformers import LlamaForCausalLM
 
 import engine.runner as runner_mod
-from engine.bench_engine import bench_llama_56m
+from engine.args import EngineArgs
+from engine.bench_engine import Clock, bench_llama_56m, machine_info, prompts_for, run_hf_generate
 from engine.runner import ModelRunner
 
 
 @dataclass
-class Row:
+class DecodeRow:
+    """One attention path at one concurrency (`bench engine`'s `Row` is a whole run's throughput)."""
+
     path: str
     concurrency: int
     prefill_tok_s: float
@@ -54,26 +55,6 @@ class Row:
     read_len: int  # read window at the last decode step
     vs_hf: float | None = None  # decode tok/s over HF generate's, at B=1
     same_tokens_as_hf: bool | None = None
-
-
-def bench_model(attn: str = "sdpa") -> LlamaForCausalLM:
-    """The benchmarks' 56M Llama (engine.bench_engine.bench_llama_56m), fp32, with `attn`."""
-    model = bench_llama_56m().to(torch.float32)
-    model.set_attn_implementation(attn)
-    return model.eval()
-
-
-class Clock:
-    """Wall and process-CPU time together."""
-
-    def __init__(self):
-        self.wall, self.cpu = time.perf_counter(), time.process_time()
-
-    def lap(self) -> tuple[float, float]:
-        wall, cpu = time.perf_counter(), time.process_time()
-        out = (wall - self.wall, cpu - self.cpu)
-        self.wall, self.cpu = wall, cpu
-        return out
 
 
 class Bookkeeping:
@@ -106,18 +87,18 @@ class Bookkeeping:
 
 
 def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(1234)
-    return torch.randint(3, vocab, (batch, length), generator=g).tolist()
+    return prompts_for(batch, length, seed=1234, vocab_size=vocab)
 
 
 def run_cells(model, path: str, batch: int, prompt_len: int, steps: int, threads: int, idle: int = 0):
-    """Prefill `batch` prompts in one step, then `steps` decode steps of all of them; return (Row, tokens of seq 0).
+    """Prefill `batch` prompts in one step, then `steps` decode steps of all of them; return (DecodeRow, tokens of seq 0).
 
     With `idle > 0`, an idle sequence first takes the `idle` lowest cells: the reference path reads them
     every step, the fast path skips them.
     """
-    n_cells = idle + batch * (prompt_len + steps + 1)
-    runner = ModelRunner(model, n_cells=n_cells, max_seqs=max(256, batch + 1), threads=threads, attention=path)
+    args = EngineArgs(n_cells=idle + batch * (prompt_len + steps + 1), max_num_seqs=batch + 1, threads=threads,
+                      attention=path)  # batch + 1 sequences: the idle one takes slot `batch`
+    runner = ModelRunner(model, **args.runner_kwargs())
     seqs = prompts(batch, prompt_len, model.config.vocab_size)
     for start in range(0, idle, 256):
         chunk = prompts(1, min(256, idle - start), model.config.vocab_size)[0]
@@ -147,7 +128,7 @@ def run_cells(model, path: str, batch: int, prompt_len: int, steps: int, threads
     finally:
         book.close()
     step_ms, step_ms_cpu, book_ms = (statistics.median(x) * 1e3 for x in (walls, cpus, books))
-    row = Row(path, batch, batch * prompt_len / prefill_wall, batch * steps / sum(walls),
+    row = DecodeRow(path, batch, batch * prompt_len / prefill_wall, batch * steps / sum(walls),
               batch * steps / max(sum(cpus), 1e-9), step_ms, step_ms_cpu, book_ms, book_ms / step_ms,
               runner.cache.read_len)
     return row, generated[0]
@@ -177,31 +158,17 @@ def best_of(repeats: int, fn, key):
     return max((fn() for _ in range(repeats)), key=key)
 
 
-def run_hf_generate(model, prompt_len: int, steps: int):
+def run_hf_decode(model, prompt_len: int, steps: int):
     """HF generate on one sequence: decode tok/s (wall, cpu) from its first to last new token, and its tokens."""
-    prompt = torch.tensor(prompts(1, prompt_len, model.config.vocab_size))
-    kwargs = {"do_sample": False, "pad_token_id": 0}
-    with torch.inference_mode():
-        model.generate(prompt, max_new_tokens=4, min_new_tokens=4, **kwargs)  # warm-up
-        stamps = _Stamps()
-        model.generate(prompt, max_new_tokens=steps + 1, min_new_tokens=steps + 1, streamer=stamps, **kwargs)
+    prompt = prompts(1, prompt_len, model.config.vocab_size)
+    run_hf_generate(model, prompt, 4)  # warm-up
+    stamps = _Stamps()
+    run_hf_generate(model, prompt, steps + 1, streamer=stamps)
     (w0, c0), (w1, c1) = stamps.times[0], stamps.times[-1]
     return steps / (w1 - w0), steps / max(c1 - c0, 1e-9), stamps.tokens
 
 
-def machine_info(threads: int) -> dict:
-    return {
-        "platform": platform.platform(),
-        "processor": platform.processor() or platform.machine(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "threads": threads,
-        "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None,
-    }
-
-
-def format_table(rows: list[Row], hf: tuple[float, float]) -> str:
+def format_table(rows: list[DecodeRow], hf: tuple[float, float]) -> str:
     head = (f"{'path':<10} {'B':>3} {'prefill tok/s':>13} {'decode tok/s':>12} {'tok/cpu-s':>10} "
             f"{'ms/step':>8} {'cpu ms/step':>11} {'bookkeep ms':>11} {'bookkeep %':>10} {'read_len':>8} "
             f"{'vs HF':>6} {'=HF toks':>8}")
@@ -241,14 +208,15 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
     torch.set_num_threads(args.threads)
-    info = machine_info(args.threads)
+    info = machine_info()
     print("command:", shlex.join([sys.executable, "-m", "engine.benchmark_core", *(argv or sys.argv[1:])]))
     print("machine:", ", ".join(f"{k}={v}" for k, v in info.items()))
-    model = bench_model()
+    model = bench_llama_56m().to(torch.float32)
+    model.set_attn_implementation("sdpa")
     n_params = sum(p.numel() for p in model.parameters())
     print(f"model: Llama {n_params / 1e6:.1f}M params, fp32, sdpa; prompt {args.prompt_len} tokens, "
           f"{args.steps} decode steps, {args.idle} idle cells, best of {args.repeats}", flush=True)
-    hf = best_of(args.repeats, lambda: run_hf_generate(model, args.prompt_len, args.steps), key=lambda r: r[0])
+    hf = best_of(args.repeats, lambda: run_hf_decode(model, args.prompt_len, args.steps), key=lambda r: r[0])
     rows = []
     for path in args.paths:
         for batch in args.concurrency:

@@ -69,7 +69,6 @@ class ServerContext:
                 self.on_fatal(self.error)
 
     def _attach(self, engine: "AsyncEngine") -> None:
-        engine.start()
         self.engine = engine
         engine.on_failure = self._engine_failed
         self.tokens = TokenizerService(engine.tokenizer, max_model_len=engine.max_model_len)

@@ -13,6 +13,10 @@ only speaks HTTP (httpx) and never imports torch or `engine/`. Modules, one conc
 - `runner`    closed-loop and open-loop drivers with a live progress bar
 - `metrics`   TTFT / TPOT / ITL / E2E statistics, throughput, goodput, errors
 - `report`    the summary table and the JSON results file
-- `plots`     PNG charts (matplotlib, Agg)
+- `plots`     PNG charts (matplotlib, Agg), `compare`'s too
 - `serve`     the command line: `main(argv)` and `add_parser(subparsers)`
+- `compare`   `cellserve bench compare`: several `serve` results side by side
+- `overhead`  `cellserve bench overhead`: a real server against the offline engine (run as processes)
+
+`cellserve bench engine` is the engine's own benchmark (engine/bench_engine.py), dispatched by server/cli.py.
 """

@@ -15,11 +15,6 @@ def load(path: str, name: str | None) -> dict:
     return {"name": name or data["config"].get("model") or Path(path).stem, "levels": data["levels"]}
 
 
-def _x(level: dict) -> float:
-    lv = level["level"]
-    return lv["concurrency"] if lv["mode"] == "closed" else lv["request_rate"]
-
-
 def table(runs: list[dict]) -> str:
     base = {lv["level"]["label"]: lv["summary"]["output_throughput"] for lv in runs[0]["levels"]}
     lines = [f"{'server':24} {'level':16} {'tok/s':>8} {'ratio':>6} {'TTFT p50':>9} {'TTFT p99':>9}"]
@@ -31,26 +26,6 @@ def table(runs: list[dict]) -> str:
             lines.append(f"{run['name']:24} {label:16} {s['output_throughput']:8.1f} {ratio:6.2f} "
                          f"{ttft.get('p50', float('nan')):9.1f} {ttft.get('p99', float('nan')):9.1f}")
     return "\n".join(lines)
-
-
-def plot(runs: list[dict], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for run in runs:
-        pts = sorted((_x(lv), lv["summary"]["output_throughput"]) for lv in run["levels"])
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=run["name"])
-    ax.set_xscale("log", base=2)
-    ax.set_xlabel("concurrent streaming clients")
-    ax.set_ylabel("output tokens / s")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    ax.set_title("same workload, same machine")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -65,6 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     runs = [load(p, n) for p, n in zip(args.results, names)]
     print(table(runs))
     if args.plot:
-        plot(runs, args.plot)
+        from server.bench.plots import plot_servers  # matplotlib is slow to import; only when asked
+
+        plot_servers(runs, args.plot)
         print("plot:", args.plot)
     return 0

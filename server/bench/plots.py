@@ -3,12 +3,12 @@
 - `throughput.png`: request and output-token throughput against the swept variable (concurrency for
   closed loop, request rate for open loop); a single level gives a single point.
 - `ttft_cdf.png`, `e2el_cdf.png`: empirical CDFs of TTFT and end-to-end latency, one line per level.
+- `plot_servers`: `bench compare`'s chart, several servers' output tokens/s against concurrency.
 Skipped levels and levels without successful requests are left out of the charts.
 """
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 
 import matplotlib
@@ -20,15 +20,15 @@ from server.bench.metrics import Summary
 from server.bench.runner import LevelResult
 
 
-def _x_value(res: LevelResult) -> float:
-    lv = res.level
-    if lv.request_rate is None:
-        return float(lv.concurrency or 1)
-    return lv.request_rate if math.isfinite(lv.request_rate) else float("nan")
+def level_x(level: dict) -> float:
+    """A level's place on the x axis (`Level.to_dict()`): its concurrency (closed loop), else its rate (inf: nan)."""
+    if level["mode"] == "closed":
+        return float(level["concurrency"] or 1)
+    return float("nan") if level["request_rate"] == "inf" else level["request_rate"]
 
 
 def plot_throughput(results: list[LevelResult], summaries: list[Summary | None], path: Path) -> None:
-    pairs = [(_x_value(r), s) for r, s in zip(results, summaries) if s is not None]
+    pairs = [(level_x(r.level.to_dict()), s) for r, s in zip(results, summaries) if s is not None]
     open_loop = any(r.level.request_rate is not None for r in results)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     xs = [x for x, _ in pairs]
@@ -64,6 +64,23 @@ def plot_cdf(results: list[LevelResult], metric: str, path: Path) -> None:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize="small")
     ax.set_title(f"{'TTFT' if metric == 'ttft' else 'E2E latency'} CDF")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def plot_servers(runs: list[dict], path: str) -> None:
+    """`bench compare`'s chart: output tokens/s against concurrency, one line per server (`{name, levels}`)."""
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for run in runs:
+        pts = sorted((level_x(lv["level"]), lv["summary"]["output_throughput"]) for lv in run["levels"])
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=run["name"])
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("concurrent streaming clients")
+    ax.set_ylabel("output tokens / s")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    ax.set_title("same workload, same machine")
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)

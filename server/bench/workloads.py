@@ -34,12 +34,15 @@ _WORD_TEXT = (
 WORDS = tuple(_WORD_TEXT.split())
 
 
-def check_len(name: str, value: int, ratio: float) -> None:
-    """Raise ValueError with a hint when a length or range ratio is unusable."""
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1, got {value}")
-    if not 0 <= ratio < 1:
-        raise ValueError(f"--range-ratio must be in [0, 1), got {ratio}")
+def check_lens(workload, *fields: str) -> None:
+    """Raise ValueError with a hint when one of the workload's length `fields` (named by their flags) or
+    its range ratio is unusable."""
+    for name in fields:
+        value = getattr(workload, name)
+        if value < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+        if not 0 <= workload.range_ratio < 1:
+            raise ValueError(f"--range-ratio must be in [0, 1), got {workload.range_ratio}")
 
 
 def sample_len(rng: random.Random, mean: int, ratio: float) -> int:
@@ -47,6 +50,12 @@ def sample_len(rng: random.Random, mean: int, ratio: float) -> int:
     lo = max(1, round(mean * (1 - ratio)))
     hi = max(lo, round(mean * (1 + ratio)))
     return rng.randint(lo, hi)
+
+
+def sample_in_out(rng: random.Random, workload) -> tuple[int, int]:
+    """A request's input words and output tokens, drawn around the workload's `input_len` and `output_len`."""
+    return (sample_len(rng, workload.input_len, workload.range_ratio),
+            sample_len(rng, workload.output_len, workload.range_ratio))
 
 
 def random_text(rng: random.Random, n_words: int) -> str:
@@ -84,13 +93,11 @@ class RandomWorkload:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        check_len("--input-len", self.input_len, self.range_ratio)
-        check_len("--output-len", self.output_len, self.range_ratio)
+        check_lens(self, "input_len", "output_len")
 
     def prompt(self, index: int) -> Prompt:
         rng = random.Random(f"{self.seed}:random:{index}")
-        n_in = sample_len(rng, self.input_len, self.range_ratio)
-        n_out = sample_len(rng, self.output_len, self.range_ratio)
+        n_in, n_out = sample_in_out(rng, self)
         return Prompt(user=random_text(rng, n_in), max_tokens=n_out, words=n_in)
 
 
@@ -109,9 +116,7 @@ class SharedPrefixWorkload:
     def __post_init__(self) -> None:
         if self.num_groups < 1:
             raise ValueError(f"--num-groups must be >= 1, got {self.num_groups}")
-        check_len("--prefix-len", self.prefix_len, self.range_ratio)
-        check_len("--input-len", self.input_len, self.range_ratio)
-        check_len("--output-len", self.output_len, self.range_ratio)
+        check_lens(self, "prefix_len", "input_len", "output_len")
         self._prefixes: dict[int, str] = {}
 
     def prefix(self, group: int) -> str:
@@ -124,15 +129,9 @@ class SharedPrefixWorkload:
     def prompt(self, index: int) -> Prompt:
         group = index % self.num_groups
         rng = random.Random(f"{self.seed}:question:{index}")
-        n_in = sample_len(rng, self.input_len, self.range_ratio)
-        n_out = sample_len(rng, self.output_len, self.range_ratio)
-        return Prompt(
-            user=random_text(rng, n_in),
-            max_tokens=n_out,
-            words=n_in + self.prefix_len,
-            system=self.prefix(group),
-            group=group,
-        )
+        n_in, n_out = sample_in_out(rng, self)
+        return Prompt(user=random_text(rng, n_in), max_tokens=n_out, words=n_in + self.prefix_len,
+                      system=self.prefix(group), group=group)
 
 
 @dataclass
@@ -160,17 +159,12 @@ class ForkTreeWorkload:
     def __post_init__(self) -> None:
         if self.branches < 1:
             raise ValueError(f"--branches must be >= 1, got {self.branches}")
-        check_len("--input-len", self.input_len, self.range_ratio)
-        check_len("--branch-len", self.branch_len, self.range_ratio)
-        check_len("--output-len", self.output_len, self.range_ratio)
+        check_lens(self, "input_len", "branch_len", "output_len")
 
     def tree(self, index: int) -> TreePlan:
         rng = random.Random(f"{self.seed}:tree:{index}")
-        n_in = sample_len(rng, self.input_len, self.range_ratio)
-        n_out = sample_len(rng, self.output_len, self.range_ratio)
+        n_in, n_out = sample_in_out(rng, self)
         trunk = random_text(rng, n_in)
-        branches = [
-            " " + random_text(rng, sample_len(rng, self.branch_len, self.range_ratio))
-            for _ in range(self.branches)
-        ]
+        branches = [" " + random_text(rng, sample_len(rng, self.branch_len, self.range_ratio))
+                    for _ in range(self.branches)]
         return TreePlan(trunk=trunk, branches=branches, max_tokens=n_out, trunk_words=n_in)

@@ -15,6 +15,8 @@ The transformers modules stay the general path for every other architecture and 
 tests compare this one against (fp32: same logits within 1e-4, same greedy tokens).
 """
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -54,9 +56,10 @@ class Linear:
         self.bias = None if bias is None else bias.detach().contiguous()
         self.packed = _pack(w)
         # The packed copy replaces the weight, unless one-row calls read it as a GEMV (the LM head:
-        # `W @ x` streams W's rows once, about twice as fast as any GEMM kernel at M=1 here).
-        self.weight = w if self.packed is None or gemv else None
-        self.gemv = gemv
+        # `W @ x` streams W's rows once; on AVX2 fp32 about twice as fast as the GEMM kernels at
+        # M=1, on AVX512-BF16 in bf16 about half as fast as the packed kernel: timed once, here).
+        self.gemv = gemv and (self.packed is None or _gemv_faster(w, self.packed))
+        self.weight = w if self.packed is None or self.gemv else None
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.gemv and x.shape[0] == 1 and self.bias is None:
@@ -81,6 +84,24 @@ class Linear:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "add")
         return F.linear(x, self.weight, self.bias).add_(other)
+
+
+def _gemv_faster(w: torch.Tensor, packed: torch.Tensor) -> bool:
+    """Whether `W @ x` beats the packed kernel at one row for this weight (best of 3 each)."""
+    x = torch.randn(1, w.shape[1], dtype=w.dtype)
+
+    def best(fn) -> float:
+        fn()
+        times = []
+        for _ in range(3):
+            t = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t)
+        return min(times)
+
+    with torch.inference_mode():
+        return best(lambda: torch.mm(w, x.t())) < best(
+            lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
 
 
 def _pack(w: torch.Tensor) -> torch.Tensor | None:
@@ -167,6 +188,12 @@ class _Attend:
             out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=bias,
                                                  scale=scale, enable_gqa=group > 1)
             return out[0].transpose(0, 1).reshape(n_tok, -1)
+        dtype = q.dtype
+        if dtype != torch.float32 and n_tok == 1:
+            # One decoding row: torch's CPU bf16 bmm builds a oneDNN primitive for every new key
+            # length (every step), ~10x the work; fp32 copies of so few rows cost less. With more
+            # rows the bf16 kernels win (measured: 32 rows 2.3x slower in fp32).
+            q, k, v = q.float(), k.float(), v.float()
         q = q.view(n_tok, n_kv, group, head_dim).transpose(0, 1)  # [Hkv, T, G, D]
         if self.mode == "gather":
             q = q.reshape(n_kv * n_tok, group, head_dim)
@@ -176,7 +203,7 @@ class _Attend:
             q = q.reshape(n_kv, n_tok * group, head_dim)
         probs = _softmax_scores(q, k, bias, scale).to(v.dtype)
         out = torch.bmm(probs, v)  # [Hkv*T, G, D] or [Hkv, T*G, D]
-        return out.view(n_kv, n_tok, group, head_dim).transpose(0, 1).reshape(n_tok, -1)
+        return out.view(n_kv, n_tok, group, head_dim).transpose(0, 1).reshape(n_tok, -1).to(dtype)
 
 
 def _softmax_scores(q, k, bias, scale):

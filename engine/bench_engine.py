@@ -27,7 +27,7 @@ import torch
 
 from engine.args import EngineArgs, build_engine
 from engine.runner import ModelRunner
-from engine.sampling import SamplingParams
+from engine.sampling_params import SamplingParams
 
 NATIVE = {"auto": None, "off": False}
 

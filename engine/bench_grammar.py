@@ -28,25 +28,33 @@ DOC = json.dumps({"name": "Romeo Montague", "age": 17, "tags": ["lover", "Verona
                   "address": {"city": "Verona", "zip": "37100"}, "active": True})
 
 
-def _report(name: str, compile_s: float, times: list[float]) -> None:
-    times = sorted(times)
+def _walk(name: str, compile_matcher, fill, advance, ids: list[int]) -> None:
+    """Time `compile_matcher()`, then `fill(matcher)` (one mask) before `advance(matcher, t)` at each token."""
+    t0 = time.perf_counter()
+    matcher = compile_matcher()
+    compile_s, times = time.perf_counter() - t0, []
+    for t in ids:
+        t0 = time.perf_counter()
+        fill(matcher)
+        times.append(time.perf_counter() - t0)
+        advance(matcher, t)
+    times.sort()
     print(f"{name:14s} compile {compile_s * 1e3:7.1f} ms   mask mean {statistics.mean(times) * 1e6:7.1f} us   "
           f"p50 {times[len(times) // 2] * 1e6:6.1f} us   max {times[-1] * 1e6:8.1f} us")
+
+
+def _accepted(ok: bool) -> None:
+    assert ok, "the document's next token was refused"
 
 
 def _xgrammar(tok, ids, V):
     import xgrammar as xgr
 
     compiler = xgr.GrammarCompiler(xgr.TokenizerInfo.from_huggingface(tok, vocab_size=V), max_threads=1)
-    t0 = time.perf_counter()
-    matcher = xgr.GrammarMatcher(compiler.compile_json_schema(json.dumps(SCHEMA), any_whitespace=False))
-    compile_s, bitmask, times = time.perf_counter() - t0, xgr.allocate_token_bitmask(1, V), []
-    for t in ids:
-        t0 = time.perf_counter()
-        matcher.fill_next_token_bitmask(bitmask, 0)
-        times.append(time.perf_counter() - t0)
-        assert matcher.accept_token(t)
-    _report("xgrammar", compile_s, times)
+    bitmask = xgr.allocate_token_bitmask(1, V)
+    compile_schema = compiler.compile_json_schema
+    _walk("xgrammar", lambda: xgr.GrammarMatcher(compile_schema(json.dumps(SCHEMA), any_whitespace=False)),
+          lambda m: m.fill_next_token_bitmask(bitmask, 0), lambda m, t: _accepted(m.accept_token(t)), ids)
 
 
 def _llguidance(tok, ids, V):
@@ -55,15 +63,10 @@ def _llguidance(tok, ids, V):
     import llguidance.torch as lt
 
     lltok = llguidance.hf.from_tokenizer(tok, n_vocab=V)
-    t0 = time.perf_counter()
-    matcher = llguidance.LLMatcher(lltok, llguidance.LLMatcher.grammar_from_json_schema(json.dumps(SCHEMA)))
-    compile_s, bitmask, times = time.perf_counter() - t0, lt.allocate_token_bitmask(1, V), []
-    for t in ids:
-        t0 = time.perf_counter()
-        lt.fill_next_token_bitmask(matcher, bitmask, 0)
-        times.append(time.perf_counter() - t0)
-        assert matcher.consume_token(t)
-    _report("llguidance", compile_s, times)
+    bitmask = lt.allocate_token_bitmask(1, V)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema
+    _walk("llguidance", lambda: llguidance.LLMatcher(lltok, grammar(json.dumps(SCHEMA))),
+          lambda m: lt.fill_next_token_bitmask(m, bitmask, 0), lambda m, t: _accepted(m.consume_token(t)), ids)
 
 
 def _outlines_core(tok, ids, V):
@@ -79,22 +82,19 @@ def _outlines_core(tok, ids, V):
         s = tok.convert_ids_to_tokens(i)
         if i != tok.eos_token_id and s not in tok.all_special_tokens and all(ch in to_byte for ch in s):
             vocab.setdefault(bytes(to_byte[ch] for ch in s), []).append(i)
-    t0 = time.perf_counter()
-    index = oc.Index(oc.json_schema.build_regex_from_schema(json.dumps(SCHEMA)), oc.Vocabulary(tok.eos_token_id, vocab))
-    guide = oc.Guide(index)
-    compile_s, mask, times = time.perf_counter() - t0, torch.zeros((V + 31) // 32, dtype=torch.int32), []
-    for t in ids:
-        t0 = time.perf_counter()
-        guide.write_mask_into(mask.data_ptr(), mask.numel(), 4)
-        times.append(time.perf_counter() - t0)
-        guide.advance(t)
-    _report("outlines-core", compile_s, times)
+    def compile_guide():
+        return oc.Guide(oc.Index(oc.json_schema.build_regex_from_schema(json.dumps(SCHEMA)),
+                                 oc.Vocabulary(tok.eos_token_id, vocab)))
+
+    mask = torch.zeros((V + 31) // 32, dtype=torch.int32)
+    _walk("outlines-core", compile_guide, lambda g: g.write_mask_into(mask.data_ptr(), mask.numel(), 4),
+          lambda g, t: g.advance(t), ids)
 
 
 def engine_share(model: str | None, rows: int) -> None:
     from engine import grammar
     from engine.llm import LLM
-    from engine.sampling import GuidedDecoding, SamplingParams
+    from engine.sampling_params import GuidedDecoding, SamplingParams
 
     llm = LLM(model) if model else LLM()
     masks, forwards = [], []

@@ -91,7 +91,7 @@ def prompts(batch: int, length: int, vocab: int) -> list[list[int]]:
 
 
 def run_cells(model, path: str, batch: int, prompt_len: int, steps: int, threads: int, idle: int = 0):
-    """Prefill `batch` prompts in one step, then `steps` decode steps of all of them; return (DecodeRow, tokens of seq 0).
+    """Prefill `batch` prompts in one step, then `steps` decode steps of all of them; return (row, tokens of seq 0).
 
     With `idle > 0`, an idle sequence first takes the `idle` lowest cells: the reference path reads them
     every step, the fast path skips them.

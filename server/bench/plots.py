@@ -20,6 +20,12 @@ from server.bench.metrics import Summary
 from server.bench.runner import LevelResult
 
 
+def _save(fig, path) -> None:
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
 def level_x(level: dict) -> float:
     """A level's place on the x axis (`Level.to_dict()`): its concurrency (closed loop), else its rate (inf: nan)."""
     if level["mode"] == "closed":
@@ -42,9 +48,7 @@ def plot_throughput(results: list[LevelResult], summaries: list[Summary | None],
         ax.set_xscale("log", base=2)
     ax.set_title("throughput")
     ax.grid(True, alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_cdf(results: list[LevelResult], metric: str, path: Path) -> None:
@@ -64,9 +68,7 @@ def plot_cdf(results: list[LevelResult], metric: str, path: Path) -> None:
     if ax.get_legend_handles_labels()[0]:
         ax.legend(fontsize="small")
     ax.set_title(f"{'TTFT' if metric == 'ttft' else 'E2E latency'} CDF")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def plot_servers(runs: list[dict], path: str) -> None:
@@ -81,9 +83,7 @@ def plot_servers(runs: list[dict], path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title("same workload, same machine")
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
+    _save(fig, path)
 
 
 def write_plots(results: list[LevelResult], summaries: list[Summary | None], out_dir: str | Path) -> list[Path]:

@@ -82,17 +82,18 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no live progress bar")
 
 
+DESCRIPTION = "Load-test an OpenAI-compatible server; see the README section 'Benchmarks'."
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="cellserve bench serve",
-                                description="Load-test an OpenAI-compatible server; see the README section 'Benchmarks'.")
+    p = argparse.ArgumentParser(prog="cellserve bench serve", description=DESCRIPTION)
     add_arguments(p)
     return p
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register `serve` on an argparse subparsers object; its `func(args)` runs the benchmark."""
-    p = subparsers.add_parser("serve", help="load-test an OpenAI-compatible server",
-                              description="Load-test an OpenAI-compatible server; see the README section 'Benchmarks'.")
+    p = subparsers.add_parser("serve", help="load-test an OpenAI-compatible server", description=DESCRIPTION)
     add_arguments(p)
     p.set_defaults(func=run_args)
     return p

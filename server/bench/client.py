@@ -96,6 +96,7 @@ class _StreamState:
     t0: float
     chunks: list[float] = field(default_factory=list)
     chars: int = 0
+    parts: list[str] = field(default_factory=list)
     usage: dict | None = None
     finished: bool = False
     done: bool = False
@@ -114,6 +115,7 @@ class _StreamState:
         if text:
             self.chunks.append(now - self.t0)
             self.chars += len(text)
+            self.parts.append(text)
         if isinstance(event.data.get("usage"), dict):
             self.usage = event.data["usage"]
         self.finished = self.finished or _finished(event.data)
@@ -131,6 +133,9 @@ def _finish_record(rec: RequestRecord, st: _StreamState, end: float) -> RequestR
         rec.output_tokens = len(st.chunks)
     if isinstance(usage.get("prompt_tokens"), int):
         rec.prompt_tokens = usage["prompt_tokens"]
+    details = usage.get("prompt_tokens_details")
+    if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
+        rec.cached_tokens = details["cached_tokens"]
     if st.error is not None:
         msg = st.error.get("message", st.error) if isinstance(st.error, dict) else st.error
         return rec.fail("sse_error", f"error event mid-stream: {msg}")
@@ -140,9 +145,11 @@ def _finish_record(rec: RequestRecord, st: _StreamState, end: float) -> RequestR
 
 
 async def stream_request(
-    client: httpx.AsyncClient, url: str, body: dict, rec: RequestRecord, headers: dict[str, str]
+    client: httpx.AsyncClient, url: str, body: dict, rec: RequestRecord, headers: dict[str, str],
+    text_sink: list[str] | None = None,
 ) -> RequestRecord:
-    """POST `body` to `url` as a stream and fill `rec` with what was observed; never raises."""
+    """POST `body` to `url` as a stream and fill `rec` with what was observed; never raises.
+    With `text_sink`, the generated text's pieces are appended to it (the multi-turn workload resends them)."""
     st = _StreamState(t0=time.perf_counter())
     decoder = SseDecoder()
     try:
@@ -163,6 +170,8 @@ async def stream_request(
     except httpx.HTTPError as exc:
         rec.latency = time.perf_counter() - st.t0
         return rec.fail("transport", f"{type(exc).__name__}: {exc}")
+    if text_sink is not None:
+        text_sink.extend(st.parts)
     return _finish_record(rec, st, time.perf_counter())
 
 

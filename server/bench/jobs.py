@@ -8,11 +8,12 @@ import httpx
 
 from server.bench.client import RequestOptions, build_request, stream_request
 from server.bench.forktree import run_tree
+from server.bench.multiturn import MultiTurnWorkload, run_conversation
 from server.bench.records import RequestRecord
 from server.bench.runner import Job
 from server.bench.workloads import ForkTreeWorkload, RandomWorkload, SharedPrefixWorkload
 
-Workload = RandomWorkload | SharedPrefixWorkload | ForkTreeWorkload
+Workload = RandomWorkload | SharedPrefixWorkload | ForkTreeWorkload | MultiTurnWorkload
 
 
 def make_job(workload: Workload, opts: RequestOptions, base_url: str) -> tuple[Job, int]:
@@ -22,6 +23,11 @@ def make_job(workload: Workload, opts: RequestOptions, base_url: str) -> tuple[J
             return await run_tree(client, base_url, workload.tree(i), i, t0, opts)
 
         return tree_job, workload.branches
+    if isinstance(workload, MultiTurnWorkload):
+        async def conversation_job(client: httpx.AsyncClient, i: int, t0: float) -> list[RequestRecord]:
+            return await run_conversation(client, base_url, workload.conversation(i), i, t0, opts)
+
+        return conversation_job, 1
 
     async def request_job(client: httpx.AsyncClient, i: int, t0: float) -> list[RequestRecord]:
         prompt = workload.prompt(i)

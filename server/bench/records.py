@@ -19,7 +19,9 @@ class RequestRecord:
     as a string ("429", "503", ...), "sse_error" (a `data: {"error": ...}` event mid-stream),
     "truncated" (the stream ended without `[DONE]` or a finish_reason), "timeout" or "transport".
     `output_tokens` is the server's `usage.completion_tokens` when it sent one, else the number of
-    content chunks (`usage_reported` says which).
+    content chunks (`usage_reported` says which). `cached_tokens` is the server's
+    `usage.prompt_tokens_details.cached_tokens` (prompt tokens served from its prefix cache), when sent;
+    `turn` is the 1-based turn number of a multi-turn conversation's request.
     """
 
     index: int
@@ -40,6 +42,8 @@ class RequestRecord:
     error_message: str = ""
     fork_latency: float | None = None
     cleanup_failures: int = 0
+    turn: int | None = None
+    cached_tokens: int | None = None
 
     @property
     def ok(self) -> bool:

@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from server.bench.metrics import Dist, Summary
+from server.bench.multiturn import turn_stats, turns_json
 from server.bench.runner import LevelResult
 
 
@@ -73,7 +74,19 @@ def level_text(result: LevelResult, summary: Summary | None) -> str:
     if s.cleanup_failures:
         lines.append(f"cleanup failures     {s.cleanup_failures} DELETE /v1/sequences calls failed")
     header = ["latency (ms)", "n", "mean", "p50", "p90", "p99"]
-    return "\n".join(lines) + "\n" + _table(header, _dist_rows(s))
+    return "\n".join(lines) + "\n" + _table(header, _dist_rows(s)) + turns_text(result)
+
+
+def turns_text(result: LevelResult) -> str:
+    """The multi-turn workload's TTFT by turn number ('' for other workloads)."""
+    stats = turn_stats(result.records)
+    if not stats:
+        return ""
+    header = ["turn", "n", "prompt tok", "cached tok", "TTFT mean", "TTFT p50", "TTFT p90", "TTFT p99"]
+    rows = [[str(t.turn), str(t.count), _fmt(t.prompt_tokens, 0), _fmt(t.cached_tokens, 0), _fmt(t.ttft.mean, 1),
+             _fmt(t.ttft.p50, 1), _fmt(t.ttft.p90, 1), _fmt(t.ttft.p99, 1)] for t in stats]
+    return ("\nTTFT by turn (ms; prompt/cached tok: means of the server's usage, cached = "
+            "prompt_tokens_details.cached_tokens)\n" + _table(header, rows))
 
 
 def sweep_text(results: list[LevelResult], summaries: list[Summary | None]) -> str:
@@ -116,6 +129,7 @@ def results_json(run: dict, results: list[LevelResult], summaries: list[Summary 
             "level": res.level.to_dict(),
             "skipped": res.skipped,
             "summary": None if s is None else s.to_dict(),
+            "turns": turns_json(res.records),
             "records": [r.to_dict() for r in res.records],
         })
     return {**run, "levels": levels}

@@ -22,6 +22,7 @@ from server.bench.client import RequestOptions, fetch_default_model
 from server.bench.forktree import probe_sequences
 from server.bench.jobs import Workload, make_job
 from server.bench.metrics import Slo, Summary, parse_slo, summarize
+from server.bench.multiturn import MultiTurnWorkload
 from server.bench.report import full_report, machine_info, print_report, results_json, write_json
 from server.bench.runner import Level, LevelResult, run_level
 from server.bench.workloads import ForkTreeWorkload, RandomWorkload, SharedPrefixWorkload
@@ -51,7 +52,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--model", help="model name to send (default: first entry of GET /v1/models)")
     g.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
     g.add_argument("--endpoint", choices=["completions", "chat"], default="completions",
-                   help="/v1/completions or /v1/chat/completions (fork-tree always uses /v1/sequences)")
+                   help="/v1/completions or /v1/chat/completions (fork-tree always uses /v1/sequences, "
+                   "multi-turn always chat)")
     g.add_argument("--timeout", type=float, default=600.0, help="per-request timeout in seconds")
     g = p.add_argument_group("load")
     g.add_argument("--concurrency", help="closed-loop users, or a sweep '1,8,32'; with --request-rate: "
@@ -59,17 +61,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--request-rate", help="open loop: mean arrivals per second, 'inf' = all at once; "
                    "a list '1,2,4' sweeps")
     g.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the gaps (1 = Poisson)")
-    g.add_argument("--num-requests", type=int, help=f"requests (fork-tree: trees) per level "
+    g.add_argument("--num-requests", type=int, help=f"requests (fork-tree: trees; multi-turn: conversations) per level "
                    f"(default {DEFAULT_NUM_REQUESTS} unless --duration is given)")
     g.add_argument("--duration", type=float, help="stop issuing new requests after this many seconds")
     g.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival times")
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=["random", "shared-prefix", "fork-tree"], default="random")
+    g.add_argument("--workload", choices=["random", "shared-prefix", "fork-tree", "multi-turn"], default="random",
+                   help="multi-turn: conversations resending their history through /v1/chat/completions")
     g.add_argument("--input-len", type=int, default=256, help="prompt words (about one token each)")
     g.add_argument("--output-len", type=int, default=128, help="max_tokens per request")
     g.add_argument("--range-ratio", type=float, default=0.0, help="lengths vary uniformly by +-this fraction")
     g.add_argument("--num-groups", type=int, default=4, help="shared-prefix: number of shared system prompts")
     g.add_argument("--prefix-len", type=int, default=1024, help="shared-prefix: words per system prompt")
+    g.add_argument("--turns", type=int, default=6, help="multi-turn: turns per conversation")
+    g.add_argument("--system-len", type=int, default=0, help="multi-turn: words of each conversation's system prompt")
     g.add_argument("--branches", type=int, default=4, help="fork-tree: forks per trunk")
     g.add_argument("--branch-len", type=int, default=16, help="fork-tree: words appended to each branch")
     g.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true (fixed output lengths)")
@@ -130,6 +135,8 @@ def build_workload(args: argparse.Namespace) -> Workload:
             return SharedPrefixWorkload(num_groups=args.num_groups, prefix_len=args.prefix_len, **common)
         if args.workload == "fork-tree":
             return ForkTreeWorkload(branches=args.branches, branch_len=args.branch_len, **common)
+        if args.workload == "multi-turn":
+            return MultiTurnWorkload(turns=args.turns, system_len=args.system_len, **common)
         return RandomWorkload(**common)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
@@ -155,6 +162,8 @@ def workload_text(args: argparse.Namespace) -> str:
         text += f", {args.num_groups} groups x {args.prefix_len}-word prefix"
     if args.workload == "fork-tree":
         text += f", {args.branches} branches of ~{args.branch_len} words"
+    if args.workload == "multi-turn":
+        text += f", {args.turns} turns per conversation (history resent), system prompt {args.system_len} words"
     return text + f", ignore_eos={args.ignore_eos}, temperature={args.temperature:g}, seed={args.seed}"
 
 

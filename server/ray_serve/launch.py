@@ -20,12 +20,23 @@ APP_NAME = "cellserve"
 OBJECT_STORE_BYTES = 256 * 2**20  # responses are small; Ray's default (30% of RAM) is far too much here
 
 
+class JoinError(RuntimeError):
+    """`--ray-address` names a cluster this process could not join."""
+
+
 def start_ray(address: str | None, replicas: int, threads: int) -> None:
     import ray
 
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     if address:
-        ray.init(address=address, log_to_driver=False)
+        try:
+            ray.init(address=address, log_to_driver=False)
+        except Exception as exc:  # said in one line, with the usual cause
+            hint = ""
+            if "auth" in repr(exc).lower() or "auth" in repr(exc.__cause__).lower():
+                hint = (" (the cluster uses token authentication: run with RAY_AUTH_MODE=token and the "
+                        "cluster's token in RAY_AUTH_TOKEN or ~/.ray/auth_token, as `ray start --address` needs)")
+            raise JoinError(f"could not join the Ray cluster at {address}: {type(exc).__name__}{hint}") from exc
     else:
         # "local": always a new instance. Without it ray.init() joins a cluster found through RAY_ADDRESS
         # or /tmp/ray/ray_current_cluster (any `ray start` on this machine), and the exit would then shut
@@ -89,7 +100,11 @@ def run_replicated(args: argparse.Namespace) -> int:
     from server.cli import KEEP_ALIVE_S
 
     threads = args.threads_per_replica or args.threads or 1
-    start_ray(args.ray_address, args.replicas, threads)
+    try:
+        start_ray(args.ray_address, args.replicas, threads)
+    except JoinError as exc:
+        log.error("%s", exc)
+        return 1
     try:
         log.info("deploying %d replica(s) x %d thread(s); the endpoint opens when every replica has loaded "
                  "its model", args.replicas, threads)

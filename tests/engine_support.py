@@ -4,6 +4,8 @@ Oracles never go through the engine or the cell cache: `greedy_oracle` is an arg
 cacheless forwards of the whole history; `generate_oracle` is `transformers`' own `generate`.
 """
 
+import asyncio
+
 import torch
 from tiny_models import full_logits, tiny_model, tiny_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -14,6 +16,12 @@ from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
+ASYNC_TIMEOUT_S = 60
+
+
+def run_async(coro):
+    """Run an AsyncEngine test's coroutine to completion, failing it after ASYNC_TIMEOUT_S rather than hanging."""
+    return asyncio.run(asyncio.wait_for(coro, ASYNC_TIMEOUT_S))
 
 
 def make_engine(model_name="llama_gqa", *, n_cells=256, attention="fast", max_seqs=256, tokenizer=None,

@@ -5,22 +5,10 @@ and shutdown cancels what is left and stops the thread."""
 import asyncio
 
 import pytest
-from engine_support import greedy, greedy_oracle, make_engine, prompt
-from tiny_models import tiny_model
+from engine_support import ASYNC_TIMEOUT_S, greedy, greedy_oracle, make_engine, prompt, run_async
 
 from engine.async_engine import AsyncEngine
 from engine.errors import EngineUnavailable, InvalidRequest, PromptTooLong, RequestNotFound, SequenceNotFound
-
-TIMEOUT_S = 60
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("llama_gqa")
-
-
-def _run(coro):
-    return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
 
 
 async def _collect(stream) -> tuple[list[int], str | None, int]:
@@ -44,7 +32,7 @@ def test_concurrent_submits_equal_solo_runs(model):
         await aeng.shutdown()
         return results
 
-    results = _run(main())
+    results = run_async(main())
     for p, (tokens, finish, n) in zip(prompts, results):
         assert finish == "length" and tokens == greedy_oracle(model, p, 8)
         assert n >= 2, "outputs stream as deltas"
@@ -69,7 +57,7 @@ def test_refusals_raise_from_the_awaited_call(model):
         await aeng.shutdown()
         return tokens, finish
 
-    tokens, finish = _run(main())
+    tokens, finish = run_async(main())
     assert finish == "length" and tokens == greedy_oracle(model, [5, 6], 4)
 
 
@@ -84,7 +72,7 @@ def test_cancel_nowait_ends_the_stream_and_frees_cells(model):
         await aeng.shutdown()
         return first.outputs[0].token_ids + tokens, finish
 
-    tokens, finish = _run(main())
+    tokens, finish = run_async(main())
     assert finish == "cancelled" and 1 <= len(tokens) < 200
     assert tokens == greedy_oracle(model, prompt(10, 2), len(tokens))
     assert aeng.engine.free_cells() == 256
@@ -107,7 +95,7 @@ def test_persistent_sequence_verbs(model):
         await aeng.shutdown()
         return tokens, finish, child, short, listed, info.seq_id
 
-    tokens, finish, child, short, listed, seq_id = _run(main())
+    tokens, finish, child, short, listed, seq_id = run_async(main())
     assert finish == "length" and tokens == greedy_oracle(model, p + [4], 5)
     assert child.token_ids == p[:6] and child.cells_shared == 5 and child.parent == seq_id
     assert short.token_ids == p[:7] and listed == {seq_id, child.seq_id}
@@ -121,10 +109,10 @@ def test_shutdown_lets_short_work_finish_within_grace(model):
 
     async def main():
         stream = await aeng.submit("short", prompt(6, 5), greedy(4))
-        await aeng.shutdown(grace_s=TIMEOUT_S)
+        await aeng.shutdown(grace_s=ASYNC_TIMEOUT_S)
         return await _collect(stream)
 
-    tokens, finish, _ = _run(main())
+    tokens, finish, _ = run_async(main())
     assert finish == "length" and tokens == greedy_oracle(model, prompt(6, 5), 4)
 
 
@@ -140,7 +128,7 @@ def test_shutdown_cancels_what_is_left_and_refuses_new_work(model):
             await aeng.submit("late", [5], greedy(2))
         return finish
 
-    assert _run(main()) == "cancelled"
+    assert run_async(main()) == "cancelled"
     assert not aeng.accepting and not aeng._thread.is_alive()
     assert aeng.engine.free_cells() == 256 and not aeng.engine.has_unfinished()
 
@@ -171,7 +159,7 @@ def test_launch_builds_the_engine_on_the_thread_that_runs_it(model):
         await aeng.shutdown()
         return tokens, finish
 
-    tokens, finish = _run(main())
+    tokens, finish = run_async(main())
     assert finish == "length" and tokens == greedy_oracle(model, prompt(5, seed=3), 4)
     assert seen["build"] is seen["step"] is not threading.main_thread()
     assert not seen["build"].is_alive()

@@ -13,22 +13,10 @@ import threading
 import time
 
 import pytest
-from engine_support import greedy, greedy_oracle, make_engine, prompt
-from tiny_models import tiny_model
+from engine_support import ASYNC_TIMEOUT_S, greedy, greedy_oracle, make_engine, prompt, run_async
 
 from engine.async_engine import AsyncEngine
 from engine.errors import EngineUnavailable
-
-TIMEOUT_S = 60
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("llama_gqa")
-
-
-def _run(coro):
-    return asyncio.run(asyncio.wait_for(coro, TIMEOUT_S))
 
 
 def _block_loop(aeng: AsyncEngine) -> threading.Event:
@@ -37,10 +25,10 @@ def _block_loop(aeng: AsyncEngine) -> threading.Event:
 
     def hold() -> None:
         entered.set()
-        gate.wait(TIMEOUT_S)
+        gate.wait(ASYNC_TIMEOUT_S)
 
     aeng._commands.put((hold, None))
-    assert entered.wait(TIMEOUT_S)
+    assert entered.wait(ASYNC_TIMEOUT_S)
     return gate
 
 
@@ -73,7 +61,7 @@ def test_commands_cancelled_while_queued_never_run_and_the_loop_survives(model):
         await aeng.shutdown()
         return info.seq_id, listed, tokens
 
-    seq_id, listed, tokens = _run(main())
+    seq_id, listed, tokens = run_async(main())
     assert listed == [seq_id]  # neither the fork nor the second create happened
     assert tokens == greedy_oracle(model, p, 6)
     assert aeng.failure is None and "gone" not in aeng.engine.requests
@@ -106,7 +94,7 @@ def test_commands_that_ran_before_their_caller_left_are_undone(model):
         await aeng.shutdown()
         return info.seq_id, listed
 
-    seq_id, listed = _run(main())
+    seq_id, listed = run_async(main())
     assert listed == [seq_id] and "left" not in engine.requests
     assert engine.free_cells() == 256 and aeng.failure is None
 
@@ -141,7 +129,7 @@ def test_a_dead_loop_fails_in_flight_work_and_refuses_new_work(model):
         return outs
 
     started = time.monotonic()
-    outs = _run(main())
+    outs = run_async(main())
     last = outs[-1]
     assert last.finished and last.outputs[0].finish_reason == "error" and "boom" in last.outputs[0].error
     assert heard and "boom" in heard[0] and "boom" in aeng.failure

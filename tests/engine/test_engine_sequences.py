@@ -13,14 +13,8 @@ from engine_support import (
     make_engine,
     prompt,
 )
-from tiny_models import tiny_model
 
 from engine.errors import InvalidRequest, PromptTooLong, QueueFull, SequenceBusy, SequenceNotFound
-
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("llama_gqa")
 
 
 def _create(engine, ids) -> str:

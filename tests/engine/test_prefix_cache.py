@@ -29,12 +29,6 @@ from engine.prefix_cache import PrefixIndex
 from engine.sampling_params import SamplingParams
 from engine.sequence import Sequence
 
-
-@pytest.fixture(scope="module")
-def model():
-    return tiny_model("llama_gqa")
-
-
 SYSTEM = prompt(40, seed=100)  # a shared "system prompt": 2 full blocks + 8 tokens
 
 

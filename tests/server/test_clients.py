@@ -12,28 +12,14 @@ import pydantic
 import pytest
 import torch
 from http_support import LiveServer
-from test_tools import HERMES, TOOLS
-
-from engine.models import DEFAULT_MODEL_DIR
+from tool_support import TOOLS
 
 langchain_openai = pytest.importorskip("langchain_openai")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    import shutil
-
-    path = tmp_path_factory.mktemp("clients-model")
-    for f in DEFAULT_MODEL_DIR.iterdir():
-        if f.is_file() and f.name != "chat_template.jinja":
-            shutil.copy(f, path / f.name)
-    (path / "chat_template.jinja").write_text(HERMES)
-    return str(path)
-
-
-@pytest.fixture(scope="module")
-def srv(model_dir):
-    with LiveServer(model_dir, n_cells=4096) as server:
+def srv(hermes_dir):
+    with LiveServer(hermes_dir, n_cells=4096) as server:
         yield server
 
 
@@ -108,7 +94,7 @@ MC_DOCS = [{"question": "ROMEO: But soft, what light", "choices": ["through yond
 
 
 @pytest.mark.clients
-def test_lm_eval_local_completions(srv, model_dir, tmp_path):
+def test_lm_eval_local_completions(srv, hermes_dir, tmp_path):
     pytest.importorskip("lm_eval")
     data = tmp_path / "mc.jsonl"
     data.write_text("".join(json.dumps(d) + "\n" for d in MC_DOCS))
@@ -121,7 +107,7 @@ def test_lm_eval_local_completions(srv, model_dir, tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "lm_eval", "--model", "local-completions", "--tasks", "cellserve_mc,cellserve_gen",
            "--include_path", str(tasks), "--output_path", str(out), "--log_samples",
-           "--model_args", (f"model=cellserve,base_url={srv.url}/v1/completions,tokenizer={model_dir},"
+           "--model_args", (f"model=cellserve,base_url={srv.url}/v1/completions,tokenizer={hermes_dir},"
                             "num_concurrent=2,max_retries=1,tokenized_requests=True")]
     run = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=600,
                          env={"HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin:/bin"})
@@ -132,8 +118,8 @@ def test_lm_eval_local_completions(srv, model_dir, tmp_path):
     # the loglikelihoods equal ones computed offline from the same model (a cacheless forward)
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(hermes_dir)
+    model = AutoModelForCausalLM.from_pretrained(hermes_dir, dtype=torch.float32).eval()
     for row in rows:  # lm-eval's own split: whole = encode(context + continuation), no BOS
         for (ll, _greedy), args in zip([r[0] for r in row["resps"]], row["arguments"].values()):
             context, cont = args["arg_0"], args["arg_1"]

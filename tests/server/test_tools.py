@@ -4,57 +4,15 @@ a tool; `required` and a named `tool_choice` constrain decoding, so its calls ar
 their arguments valid against each tool's schema."""
 
 import json
-import shutil
 
 import jsonschema
 import openai
 import pytest
 from http_support import LiveServer, sse_events
+from tool_support import MESSAGES, SCHEMAS, TIME, TOOLS
 
 from engine.models import DEFAULT_MODEL_DIR
 from server.tools import ToolCallStream, parse_tool_calls
-
-WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
-                                            "unit": {"enum": ["celsius", "fahrenheit"]}},
-           "required": ["city", "unit"], "additionalProperties": False}
-TIME = {"type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
-        "additionalProperties": False}
-TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": WEATHER}},
-         {"type": "function", "function": {"name": "get_time", "parameters": TIME}}]
-SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
-MESSAGES = [{"role": "user", "content": "What is the weather in Verona?"}]
-
-# A Hermes/Qwen2.5-style template (ChatML turns, tools in the system turn, <tool_call> blocks, tool turns).
-HERMES = """{%- if tools %}<|im_start|>system
-# Tools
-<tools>{% for tool in tools %}
-{{ tool | tojson }}{% endfor %}
-</tools>
-For each call return <tool_call>
-{"name": <function-name>, "arguments": <args-json-object>}
-</tool_call><|im_end|>
-{% endif %}{%- for m in messages %}{%- if m.role == 'tool' %}<|im_start|>user
-<tool_response>
-{{ m.content }}
-</tool_response><|im_end|>
-{% elif m.role == 'assistant' and m.tool_calls %}<|im_start|>assistant
-{% for c in m.tool_calls %}<tool_call>
-{"name": "{{ c.function.name }}", "arguments": {{ c.function.arguments | tojson }}}
-</tool_call>{% endfor %}<|im_end|>
-{% else %}<|im_start|>{{ m.role }}
-{{ m.content }}<|im_end|>
-{% endif %}{%- endfor %}{%- if add_generation_prompt %}<|im_start|>assistant
-{% endif %}"""
-
-
-@pytest.fixture(scope="module")
-def hermes_dir(tmp_path_factory):
-    path = tmp_path_factory.mktemp("hermes-model")
-    for f in DEFAULT_MODEL_DIR.iterdir():
-        if f.is_file() and f.name != "chat_template.jinja":
-            shutil.copy(f, path / f.name)
-    (path / "chat_template.jinja").write_text(HERMES)
-    return str(path)
 
 
 @pytest.fixture(scope="module")

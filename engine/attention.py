@@ -94,18 +94,24 @@ class RowGather:
     valid: torch.Tensor
 
 
-def row_gather_for(plan: StepPlan) -> RowGather | None:
-    """The per-row gather index, or None when the dense (compacted) window is as cheap."""
+def row_gather_for(plan: StepPlan, max_tokens: int | None = GATHER_MAX_TOKENS) -> RowGather | None:
+    """The per-row gather index, or None when the dense (compacted) window is as cheap (one row, rows
+    that see most of it, or more than `max_tokens` rows)."""
     n_tok, n_cols = plan.visible.shape
-    if n_tok > GATHER_MAX_TOKENS or n_tok == 1:
+    if (max_tokens is not None and n_tok > max_tokens) or n_tok == 1:
         return None
-    counts = plan.visible.sum(1)
+    if int(plan.visible.sum(1).max()) * 2 > n_cols:
+        return None
+    return gather_rows(plan.visible)
+
+
+def gather_rows(visible: torch.Tensor) -> RowGather:
+    """Row i's visible columns, left-aligned and padded to the widest row."""
+    counts = visible.sum(1)
     width = int(counts.max())
-    if width * 2 > n_cols:
-        return None
-    rows, cols = plan.visible.nonzero(as_tuple=True)
-    rank = plan.visible.cumsum(1)[rows, cols] - 1
-    idx = torch.zeros(n_tok, width, dtype=torch.int64)
+    rows, cols = visible.nonzero(as_tuple=True)
+    rank = visible.cumsum(1)[rows, cols] - 1
+    idx = torch.zeros(visible.shape[0], width, dtype=torch.int64)
     idx[rows, rank] = cols
     valid = torch.arange(width)[None, :] < counts[:, None]
     return RowGather(idx, valid)

@@ -33,9 +33,6 @@ from engine.step import FlatStep, flatten_step
 log = logging.getLogger("cellserve.engine")
 
 
-EngineConfig = EngineArgs  # the engine's limits are the EngineArgs fields (one source of each default)
-
-
 class Engine:
     """Continuous batching over one cell pool. Not thread-safe: one caller (or the AsyncEngine loop).
 

@@ -16,11 +16,13 @@ tests compare this one against (fp32: same logits within 1e-4, same greedy token
 """
 
 import time
+from dataclasses import dataclass
+from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
 
-from engine.attention import GATHER_MAX_TOKENS, MaskSpec, row_gather_for
+from engine.attention import MaskSpec, gather_rows, row_gather_for
 from engine.cells import CellCache, StepPlan
 
 NATIVE_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
@@ -143,67 +145,126 @@ class _Layer:
 class _Attend:
     """How this step's queries read the pools, decided once for every layer.
 
-    `gather`: query row i reads only its own visible cells (`cells` [T*L] pool indices) with an
-    additive `bias` [Hkv*T, G, L]; `dense`: every row reads the step's window (`cells` [C] or the
-    prefix [0, read_len)) with `bias` [1, T*G, C]; `sdpa`: long prefill chunks, where the
-    [T, C] score matrix per head would be large, go to torch's tiled kernel with a bool mask.
+    Steps of one-row (decoding) queries: `gather`, query row i reads only its own visible cells
+    (`cells` [T*L] pool indices) with an additive `bias` [Hkv*T, G, L]; or `dense` (one row, or rows
+    that each see most of the window), every row reads the step's window (`cells` [C] or the prefix
+    [0, read_len)) with `bias` [1, T*G, C]. Steps with a prefill chunk: `split`, each chunk reads only
+    the cells its own rows can see, through torch's tiled sdpa kernel with a bool mask, and the
+    step's one-row queries are one `gather` part. A chunk reading the whole step window would cost
+    its rows x every cell of every sequence in the step (with 32 1,000-token conversations, 32x
+    the attention work of reading its own history), and gathering per row would copy its history
+    once per row.
     """
 
     def __init__(self, plan: StepPlan, n_kv: int, group: int, windows, device):
         n_tok = plan.visible.shape[0]
         self.n_tok, self.n_kv, self.group = n_tok, n_kv, group
-        rows = row_gather_for(plan)
-        self.mode = "gather" if rows is not None else ("dense" if n_tok <= GATHER_MAX_TOKENS else "sdpa")
+        ids = plan.seq_ids
+        bounds = [0, *((ids[1:] != ids[:-1]).nonzero().flatten() + 1).tolist(), n_tok]
+        rows = None
+        if len(bounds) - 1 < n_tok:  # some sequence brings several rows: a prefill chunk
+            self.mode = "split"
+        else:
+            rows = row_gather_for(plan, max_tokens=None)
+            self.mode = "dense" if rows is None else "gather"
         self.read_len = plan.read_len
         self.bias: dict[int | None, torch.Tensor] = {}
-        if self.mode == "gather":
-            idx = rows.idx if plan.read_idx is None else plan.read_idx.cpu()[rows.idx]
-            self.width = idx.shape[1]
-            self.cells = idx.reshape(-1).to(device)
-            for w in windows:
-                seen = torch.gather(_windowed(plan, w), 1, rows.idx) & rows.valid
-                self.bias[w] = _additive(seen)[None, :, None, :].expand(
-                    n_kv, n_tok, group, self.width).reshape(n_kv * n_tok, group, self.width).to(device)
+        if self.mode == "split":
+            self.parts = _split_parts(plan, bounds, n_kv, group, windows, device)
+        elif self.mode == "gather":
+            self.cells, self.width, self.bias = _gather_part(plan, rows, slice(None), n_kv, group, windows, device)
         else:
             self.cells = None if plan.read_idx is None else plan.read_idx
             for w in windows:
-                seen = _windowed(plan, w)
-                if self.mode == "dense":
-                    self.bias[w] = _additive(seen).repeat_interleave(group, 0)[None].to(device)
-                else:
-                    self.bias[w] = seen[None, None].to(device)
+                self.bias[w] = _additive(_windowed(plan, w)).repeat_interleave(group, 0)[None].to(device)
 
-    def read(self, pool: torch.Tensor) -> torch.Tensor:
-        """The K or V rows this step reads, `[Hkv, T*L or C, D]`."""
-        if self.cells is None:
+    def read(self, pool: torch.Tensor, cells: torch.Tensor | None) -> torch.Tensor:
+        """The K or V rows read, `[Hkv, T*L or C, D]`."""
+        if cells is None:
             return pool[0, :, : self.read_len]
-        return pool[0].index_select(1, self.cells)
+        return pool[0].index_select(1, cells)
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window) -> torch.Tensor:
         """q `[T, Hq, D]` -> attention output `[T, Hq*D]`."""
-        n_tok, n_kv, group = self.n_tok, self.n_kv, self.group
-        head_dim = q.shape[-1]
-        k, v, bias = self.read(keys), self.read(values), self.bias[window]
-        if self.mode == "sdpa":
-            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=bias,
-                                                 scale=scale, enable_gqa=group > 1)
-            return out[0].transpose(0, 1).reshape(n_tok, -1)
+        if self.mode != "split":
+            width = self.width if self.mode == "gather" else None
+            return self._bmm(q, self.read(keys, self.cells), self.read(values, self.cells), self.bias[window],
+                             scale, width)
+        out = q.new_empty(self.n_tok, q.shape[1] * q.shape[2])
+        for part in self.parts:
+            k, v = self.read(keys, part.cells), self.read(values, part.cells)
+            if part.width is not None:
+                out[part.rows] = self._bmm(q[part.rows], k, v, part.masks[window], scale, part.width)
+            else:
+                o = F.scaled_dot_product_attention(q[part.rows].transpose(0, 1)[None], k[None], v[None],
+                                                   attn_mask=part.masks[window], scale=scale,
+                                                   enable_gqa=self.group > 1)
+                out[part.rows] = o[0].transpose(0, 1).reshape(o.shape[2], -1)
+        return out
+
+    def _bmm(self, q, k, v, bias, scale, width):
+        """Scores, softmax and values by batched matmuls: per row over `width` gathered cells, or every
+        row over the same window (`width` None)."""
+        n_tok, n_kv, group, head_dim = q.shape[0], self.n_kv, self.group, q.shape[-1]
         dtype = q.dtype
         if dtype != torch.float32 and n_tok == 1:
             # One decoding row: torch's CPU bf16 bmm builds a oneDNN primitive for every new key
             # length (every step), ~10x the work; fp32 copies of so few rows cost less. With more
             # rows the bf16 kernels win (measured: 32 rows 2.3x slower in fp32).
             q, k, v = q.float(), k.float(), v.float()
-        q = q.view(n_tok, n_kv, group, head_dim).transpose(0, 1)  # [Hkv, T, G, D]
-        if self.mode == "gather":
+        q = q.reshape(n_tok, n_kv, group, head_dim).transpose(0, 1)  # [Hkv, T, G, D]
+        if width is not None:
             q = q.reshape(n_kv * n_tok, group, head_dim)
-            k = k.view(n_kv * n_tok, self.width, head_dim)
-            v = v.view(n_kv * n_tok, self.width, head_dim)
+            k = k.view(n_kv * n_tok, width, head_dim)
+            v = v.view(n_kv * n_tok, width, head_dim)
         else:
             q = q.reshape(n_kv, n_tok * group, head_dim)
         probs = _softmax_scores(q, k, bias, scale).to(v.dtype)
         out = torch.bmm(probs, v)  # [Hkv*T, G, D] or [Hkv, T*G, D]
         return out.view(n_kv, n_tok, group, head_dim).transpose(0, 1).reshape(n_tok, -1).to(dtype)
+
+
+@dataclass
+class _Part:
+    """Some rows of a `split` step: the pool cells they read and their mask per window (`width` set:
+    a gather part with additive biases; None: one chunk's bool mask for sdpa)."""
+
+    rows: slice | torch.Tensor
+    cells: torch.Tensor
+    masks: dict
+    width: int | None = None
+
+
+def _split_parts(plan: StepPlan, bounds: list[int], n_kv: int, group: int, windows, device) -> list[_Part]:
+    """One sdpa part per multi-row chunk (rows `bounds[i]:bounds[i+1]`), one gather part for all one-row ones."""
+    parts, singles = [], []
+    read_idx = None if plan.read_idx is None else plan.read_idx.cpu()
+    for a, b in pairwise(bounds):
+        if b - a == 1:
+            singles.append(a)
+            continue
+        cols = plan.visible[a:b].any(0).nonzero().flatten()
+        cells = cols if read_idx is None else read_idx[cols]
+        masks = {w: _windowed(plan, w)[a:b][:, cols][None, None].to(device) for w in windows}
+        parts.append(_Part(slice(a, b), cells.to(device), masks))
+    if singles:
+        rows = torch.tensor(singles)
+        gather = gather_rows(plan.visible[rows])
+        cells, width, bias = _gather_part(plan, gather, rows, n_kv, group, windows, device)
+        parts.append(_Part(rows.to(device), cells, bias, width))
+    return parts
+
+
+def _gather_part(plan: StepPlan, gather, rows, n_kv: int, group: int, windows, device):
+    """Pool indices `[t*L]`, width L and additive biases `[Hkv*t, G, L]` per window of gathered rows."""
+    idx = gather.idx if plan.read_idx is None else plan.read_idx.cpu()[gather.idx]
+    n_tok, width = idx.shape
+    bias = {}
+    for w in windows:
+        seen = torch.gather(_windowed(plan, w)[rows], 1, gather.idx) & gather.valid
+        bias[w] = _additive(seen)[None, :, None, :].expand(
+            n_kv, n_tok, group, width).reshape(n_kv * n_tok, group, width).to(device)
+    return idx.reshape(-1).to(device), width, bias
 
 
 def _softmax_scores(q, k, bias, scale):

@@ -26,9 +26,11 @@ from engine.prefix_cache import BLOCK, PrefixIndex
 from engine.sequence import SeqStatus, Sequence
 
 PREFIX_MIN_TOKENS = BLOCK  # a cached prefix shorter than one index block can never be found: not kept
-# While n sequences decode, a tick carries at most max(this, n) prefill tokens (the environment may
-# override it, for A/B runs).
+# While n sequences decode, a tick carries at most max(this, n, backlog / PREFILL_BACKLOG_TICKS) prefill
+# tokens, where backlog is the prompt tokens still to prefill (the environment may override both, for A/B
+# runs; PREFILL_BACKLOG_TICKS=0 drops the backlog term).
 PREFILL_TOKENS_WHILE_DECODING = int(os.environ.get("CELLSERVE_PREFILL_WHILE_DECODING", "32"))
+PREFILL_BACKLOG_TICKS = int(os.environ.get("CELLSERVE_PREFILL_BACKLOG_TICKS", "8"))
 
 
 @dataclass
@@ -84,7 +86,11 @@ class Scheduler:
         # with its tokens (each costs about what a decode does), so a long prefill chunk stalls every
         # stream. Capping a tick's prefill tokens at max(this, decoders) keeps it within about twice a
         # decode-only tick; a prompt takes a few more ticks, which costs no throughput (same tokens).
+        # Long prompts would starve under that cap alone (a 1,000-token prompt behind 32 tokens a tick
+        # waits 30+ ticks, and every prompt queued behind it longer), so the cap also grows with the
+        # backlog: whatever is waiting to be prefilled drains within about `prefill_backlog_ticks` ticks.
         self.prefill_while_decoding = PREFILL_TOKENS_WHILE_DECODING
+        self.prefill_backlog_ticks = PREFILL_BACKLOG_TICKS
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.holders: dict[int, Sequence] = {}  # slot -> sequence holding it
@@ -255,7 +261,7 @@ class Scheduler:
         plan = TickPlan()
         budget = self.max_num_batched_tokens
         decoding = sum(1 for s in self.running if s.cache_target() - s.n_cached == 1)
-        prefill = max(self.prefill_while_decoding, decoding) if decoding else budget  # left for prefill chunks
+        prefill = self._prefill_cap(decoding) if decoding else budget  # left for prefill chunks
         # Decodes first (1 token each), then unfinished prefills, oldest first.
         for seq in sorted(self.running, key=lambda s: (s.pending > 1, s.admitted_at)):
             if seq.status is not SeqStatus.RUNNING or budget == 0:
@@ -284,6 +290,15 @@ class Scheduler:
                 plan.add(seq, n)
                 budget -= n
         return list(plan.chunks.values())
+
+    def _prefill_cap(self, decoding: int) -> int:
+        """Prefill tokens a tick may carry beside `decoding` decodes (see __init__ for why)."""
+        cap = max(self.prefill_while_decoding, decoding)
+        if self.prefill_backlog_ticks > 0:
+            wants = (s.cache_target() - s.n_cached for s in (*self.running, *self.waiting))
+            backlog = sum(w for w in wants if w > 1)
+            cap = max(cap, -(-backlog // self.prefill_backlog_ticks))
+        return cap
 
     def _note_cached(self, seq: Sequence, shared: int) -> None:
         """A request's `cached_tokens` (OpenAI's usage field): its prompt tokens found in the cache at

@@ -10,7 +10,8 @@ import torch
 from tiny_models import full_logits, tiny_model, tiny_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.engine import Engine, EngineConfig
+from engine.args import EngineArgs
+from engine.engine import Engine
 from engine.outputs import RequestOutput
 from engine.runner import ModelRunner
 from engine.sampling_params import SamplingParams
@@ -26,10 +27,10 @@ def run_async(coro):
 
 def make_engine(model_name="llama_gqa", *, n_cells=256, attention="fast", max_seqs=256, tokenizer=None,
                 model=None, **config) -> Engine:
-    """An Engine over a tiny seeded model (or `model`); `config` goes to EngineConfig."""
+    """An Engine over a tiny seeded model (or `model`); `config` goes to EngineArgs."""
     model = model if model is not None else tiny_model(model_name)
     runner = ModelRunner(model, tokenizer, n_cells=n_cells, attention=attention, max_seqs=max_seqs)
-    return Engine(runner, EngineConfig(**config))
+    return Engine(runner, EngineArgs(**config))
 
 
 def prompt(n: int, seed: int, vocab: int = 100) -> list[int]:

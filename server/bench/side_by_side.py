@@ -8,7 +8,8 @@ Two commands (see the README, Performance, "Side by side with llama.cpp's llama-
         benchmarks' 56M model ships a WordLevel tokenizer, which GGUF cannot hold). Every word of
         the load generator's prompts is one token, with or without its leading space, and every
         token decodes to ASCII, so random weights never stream invalid UTF-8 (no logit_bias needed).
-        Serve the copy with both servers so both see the same token counts.
+        Serve the copy with both servers so both see the same token counts. The source's chat
+        template is kept (llama-server uses it with `--jinja`).
 
     python -m server.bench.side_by_side run --gguf M.gguf --model DIR --dtype bfloat16 --out DIR
         Alternates the two servers (llama-server, cellserve, llama-server, ... `--rounds` times
@@ -72,6 +73,15 @@ def bpe_tokenizer(vocab_size: int, words: tuple[str, ...] = WORDS):
     return Tokenizer.from_str(json.dumps(spec))
 
 
+def chat_template(folder: Path) -> str | None:
+    """The folder's chat template: transformers 5 saves it as chat_template.jinja, older ones inside
+    tokenizer_config.json."""
+    if (folder / "chat_template.jinja").exists():
+        return (folder / "chat_template.jinja").read_text()
+    config = folder / "tokenizer_config.json"
+    return json.loads(config.read_text()).get("chat_template") if config.exists() else None
+
+
 def bpe_copy(src: Path, dst: Path) -> Path:
     """Copy config and weights of `src` into `dst` with `bpe_tokenizer` of the config's vocab size."""
     config = json.loads((src / "config.json").read_text())
@@ -81,10 +91,12 @@ def bpe_copy(src: Path, dst: Path) -> Path:
             shutil.copy2(f, dst / f.name)
     tok = bpe_tokenizer(int(config["vocab_size"]))
     tok.save(str(dst / "tokenizer.json"))
+    template = chat_template(src)
     (dst / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<s>", "eos_token": "</s>",
         "unk_token": "<unk>", "add_bos_token": False, "add_eos_token": False,
         "model_max_length": int(config.get("max_position_embeddings", 4096)),
+        **({"chat_template": template} if template else {}),  # the GGUF carries it for llama-server --jinja
     }, indent=1))
     for w in WORDS[:5]:
         assert len(tok.encode(w).ids) == 1 and len(tok.encode(" " + w).ids) == 1, w
@@ -220,6 +232,33 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def plot(runs: list[str], out: str) -> Path:
+    """One panel per run folder (its rows.json): output tok/s against clients, both servers, every round."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(3.2 * len(runs), 3.2), squeeze=False)
+    for ax, folder in zip(axes[0], runs):
+        rows = json.loads((Path(folder) / "rows.json").read_text())["rows"]
+        for r in rows:
+            cs = sorted(int(c) for c in r["levels"])
+            style = {"color": "tab:blue" if r["server"] == "cellserve" else "tab:orange", "marker": "o"}
+            ax.plot(cs, [r["levels"][str(c)]["tok_s"] for c in cs], alpha=0.8,
+                    label=r["server"] if r["round"] == 0 else None, **style)
+        ax.set_xscale("log", base=2)
+        ax.set_title(Path(folder).name.removeprefix("sbs-"), fontsize="small")
+        ax.set_xlabel("streaming clients")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("output tok/s")
+    axes[0][0].legend(fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out, dpi=80)
+    plt.close(fig)
+    return Path(out)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m server.bench.side_by_side", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -242,7 +281,13 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--port", type=int, default=8390)
     r.add_argument("--cellserve-first", action="store_true")
     r.add_argument("--out", required=True, help="folder for logs and every bench JSON")
+    g = sub.add_parser("plot", help="chart of several `run` folders")
+    g.add_argument("runs", nargs="+")
+    g.add_argument("--png", required=True)
     args = p.parse_args(argv)
+    if args.cmd == "plot":
+        print(plot(args.runs, args.png))
+        return 0
     if args.cmd == "bpe-copy":
         print(bpe_copy(Path(args.src), Path(args.dst)))
         return 0

@@ -40,10 +40,10 @@ def test_every_attention_mode_matches_the_oracle(name, monkeypatch):
     assert runner.native is not None
     modes = _modes(monkeypatch)
     hist = {0: _prompt(150, 1), 1: _prompt(9, 2)}
-    out = runner.run({0: (hist[0], 0), 1: (hist[1], 0)})  # 159 tokens: a long prefill goes to sdpa
+    out = runner.run({0: (hist[0], 0), 1: (hist[1], 0)})  # 159 tokens: each long chunk goes to sdpa over its own cells
     for s in range(2, 10):
         hist[s] = _prompt(4 + s, 10 + s)
-        out |= runner.run({s: (hist[s], 0)})  # short prefills: dense
+        out |= runner.run({s: (hist[s], 0)})  # short prefills: split, one sdpa part
     short = list(range(1, 10))
     for _ in range(3):  # 9 decodes, each row sees few of the window's cells: per-row gather
         nxt = {s: int(out[s].argmax()) for s in short}
@@ -56,9 +56,20 @@ def test_every_attention_mode_matches_the_oracle(name, monkeypatch):
     hist[1] += _prompt(5, 99)
     out = runner.run({0: ([fed], len(hist[0])), 1: (hist[1][-5:], len(hist[1]) - 5)})
     hist[0].append(fed)
-    assert {"sdpa", "dense", "gather"} <= set(modes)
     for s in (0, 1):
         torch.testing.assert_close(out[s], full_logits(model, hist[s])[-1], atol=ATOL, rtol=0)
+    # a long prefill beside decodes: the chunk reads only its own cells (sdpa), the decodes are gathered
+    hist[10] = _prompt(140, 7)
+    nxt = {s: int(out[s].argmax()) for s in (0, 1)}
+    out = runner.run({0: ([nxt[0]], len(hist[0])), 10: (hist[10], 0), 1: ([nxt[1]], len(hist[1]))})
+    for s in (0, 1):
+        hist[s].append(nxt[s])
+    for s in (0, 1, 10):
+        torch.testing.assert_close(out[s], full_logits(model, hist[s])[-1], atol=ATOL, rtol=0)
+    hist[10].append(int(out[10].argmax()))  # one sequence decoding alone reads its window densely
+    out = runner.run({10: (hist[10][-1:], len(hist[10]) - 1)})
+    torch.testing.assert_close(out[10], full_logits(model, hist[10])[-1], atol=ATOL, rtol=0)
+    assert {"split", "dense", "gather"} <= set(modes)
 
 
 def test_bf16_stays_close_to_the_fp32_oracle():

@@ -211,6 +211,10 @@ class AsyncEngine:
         """Cells held only by cached prefixes (evictable on demand), counted on the loop thread."""
         return await self._call(self.engine.scheduler.cached_prefix_cells, check_accepting=False)
 
+    async def clear_prefix_cache(self) -> int:
+        """Drop every cached prefix (live and idle sequences keep their cells); the cells freed."""
+        return await self._call(self.engine.clear_prefix_cache, check_accepting=False)
+
     def max_tokens_left(self, prompt_len: int, n: int = 1) -> int:
         """`Admission.max_tokens_left`: what "generate until the end" means (constants only, any thread)."""
         return self.engine.admission.max_tokens_left(prompt_len, n)

@@ -1,4 +1,5 @@
-"""Operational routes: health, models, cell-pool state, metrics, tokenize/detokenize, cancel.
+"""Operational routes: health, models, cell-pool state, clearing cached prefixes, metrics,
+tokenize/detokenize, cancel.
 
 `/health` and `/metrics` need no API key (load balancers and scrapers); everything else does when
 `--api-key` is set. `/health` is 200 only while the server admits work, 503 with the reason
@@ -62,6 +63,14 @@ async def cache(request: Request) -> dict:
         "preemptions": s.preemptions,
         "sequences": [sequence_view(i) for i in await engine.list_sequences()],
     }
+
+
+@router.delete("/v1/cache/prefixes")
+async def clear_prefixes(request: Request) -> dict:
+    """Free every cached prefix now (they are also evicted on demand); running requests and persistent
+    sequences keep their cells. Behind `--api-key` like every /v1 route."""
+    freed = await ServerContext.of(request).require_engine().clear_prefix_cache()
+    return {"object": "cache.prefixes.cleared", "freed_cells": freed}
 
 
 @router.post("/v1/requests/{request_id}/cancel")

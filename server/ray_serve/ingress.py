@@ -5,7 +5,8 @@ proxy adds its own `X-Request-ID`, which would shadow the response id clients re
 replicas through Ray Serve deployment handles. It never parses a route's body beyond choosing a replica; the replica answers with the single server's own app, and
 this app relays status, headers and body (SSE chunk by chunk). Each response says which replica
 answered (`X-Cellserve-Replica`) and why (`X-Cellserve-Route`: `affinity`, `prefix` or `least-loaded`,
-see `routing`). Aggregated routes: `/health`, `/v1/cache`, `/metrics`, `GET /v1/sequences` (`/v1/models`: any replica).
+see `routing`). Aggregated routes: `/health`, `/v1/cache`, `DELETE /v1/cache/prefixes` (every replica), `/metrics`,
+`GET /v1/sequences` (`/v1/models`: any replica).
 A stateless request a full replica refuses (`429`) is retried on the others first.
 
 Faults: a replica that does not accept a request within `ACCEPT_TIMEOUT_S` (dead, restarting), or
@@ -196,12 +197,12 @@ def build_ingress_app(handles: list, limits: Limits) -> FastAPI:
         names = ", ".join(f"{i['replica']} ({i['state']}{': ' + i['error'] if i.get('error') else ''})" for i in bad)
         return unavailable(f"degraded: {len(bad)} of {len(infos)} replicas not ready: {names}", replicas=view)
 
-    async def each(request: Request, path: str) -> dict[str, tuple[int, bytes, list]]:
+    async def each(request: Request, path: str, method: str = "GET") -> dict[str, tuple[int, bytes, list]]:
         rs = replicas(request)
 
         async def one(i: int):
             try:
-                answer = await rs.call(i, "GET", path, b"", fwd_headers(request), b"")
+                answer = await rs.call(i, method, path, b"", fwd_headers(request), b"")
                 return answer.status, await answer.read(), answer.headers
             except ReplicaDown as exc:
                 return 503, json.dumps(error_body(503, str(exc), code="replica_unavailable")).encode(), []
@@ -224,6 +225,16 @@ def build_ingress_app(handles: list, limits: Limits) -> FastAPI:
         views = {name: json.loads(body) for name, (status, body, _) in got.items() if status == 200}
         down = [name for name, (status, _, _) in got.items() if status != 200]
         return JSONResponse({**sum_cache(views), "unavailable_replicas": down})
+
+    @app.delete("/v1/cache/prefixes")
+    async def clear_prefixes(request: Request) -> Response:
+        got = await each(request, "/v1/cache/prefixes", "DELETE")
+        for status, body, _ in got.values():
+            if status not in (200, 503):
+                return Response(body, status_code=status, media_type="application/json")
+        freed = {name: json.loads(body)["freed_cells"] for name, (status, body, _) in got.items() if status == 200}
+        return JSONResponse({"object": "cache.prefixes.cleared", "freed_cells": sum(freed.values()),
+                             "replicas": freed, "unavailable_replicas": sorted(set(got) - set(freed))})
 
     @app.get("/v1/sequences")
     async def list_sequences(request: Request) -> Response:

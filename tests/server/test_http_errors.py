@@ -147,6 +147,7 @@ def test_api_key_is_required_when_set(model_dir):
             err = assert_error(anon.post("/v1/completions", json=OK, headers=headers), 401)
             assert err["type"] == "authentication_error"
         assert_error(anon.get("/v1/models"), 401)
+        assert_error(anon.delete("/v1/cache/prefixes"), 401)
         assert anon.get("/health").status_code == 200 and anon.get("/metrics").status_code == 200
         with srv.client() as c:
             assert c.post("/v1/completions", json=OK).status_code == 200

@@ -81,3 +81,25 @@ def test_the_cli_flag_turns_it_off():
     parser = serve_parser(argparse.ArgumentParser())
     assert parser.parse_args([]).no_prefix_cache is False
     assert parser.parse_args(["--no-prefix-cache"]).no_prefix_cache is True
+
+
+def test_clearing_cached_prefixes_frees_their_cells_and_only_theirs(servers):
+    on, _ = servers
+    client = sdk(on)
+    chat(client, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who is Hamlet?"}])
+    with on.client() as c:
+        seq = c.post("/v1/sequences", json={"prompt": SYSTEM}).json()
+        before = c.get("/v1/cache").json()
+        assert before["cells"]["cached"] > 0
+        cleared = c.delete("/v1/cache/prefixes").json()
+        assert cleared == {"object": "cache.prefixes.cleared", "freed_cells": cleared["freed_cells"]}
+        after = c.get("/v1/cache").json()
+        assert after["cells"]["cached"] == 0 and after["prefix_cache"]["cached_sequences"] == 0
+        assert 0 < cleared["freed_cells"] <= before["cells"]["cached"]
+        assert [s["id"] for s in after["sequences"]] == [seq["id"]]  # a persistent sequence keeps its cells
+        assert after["cells"]["used"] == before["cells"]["used"]
+        again = chat(client, [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Who is Hamlet?"}])
+        assert again.usage.prompt_tokens_details.cached_tokens == 0  # nothing of it was left cached
+        assert c.delete(f"/v1/sequences/{seq['id']}").status_code == 200
+        c.delete("/v1/cache/prefixes")
+    assert on.wait_idle()["cells"]["used"] == 0

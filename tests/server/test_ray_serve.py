@@ -156,6 +156,10 @@ def test_core_routes_through_the_ingress(url):
         assert metrics.count("# TYPE cellserve:cells_total gauge") == 1
         cache = c.get("/v1/cache").json()
         assert cache["cells"]["total"] == sum(v["cells"]["total"] for v in cache["replicas"].values())
+        cleared = c.delete("/v1/cache/prefixes").json()  # every replica clears its own cached prefixes
+        assert cleared["object"] == "cache.prefixes.cleared" and set(cleared["replicas"]) == {"r0", "r1"}
+        assert cleared["freed_cells"] == sum(cleared["replicas"].values())
+        assert c.get("/v1/cache").json()["cells"]["cached"] == 0
 
 
 def test_sequence_operations_never_cross_replicas(url):

@@ -169,14 +169,15 @@ class _Attend:
             self.mode = "dense" if rows is None else "gather"
         self.read_len = plan.read_len
         self.bias: dict[int | None, torch.Tensor] = {}
+        seen = {w: _windowed(plan, w) for w in windows}  # [T, C] visibility per attention window
         if self.mode == "split":
-            self.parts = _split_parts(plan, bounds, n_kv, group, windows, device)
+            self.parts = _split_parts(plan, seen, bounds, n_kv, group, device)
         elif self.mode == "gather":
-            self.cells, self.width, self.bias = _gather_part(plan, rows, slice(None), n_kv, group, windows, device)
+            self.cells, self.width, self.bias = _gather_part(plan, seen, rows, slice(None), n_kv, group, device)
         else:
             self.cells = None if plan.read_idx is None else plan.read_idx
-            for w in windows:
-                self.bias[w] = _additive(_windowed(plan, w)).repeat_interleave(group, 0)[None].to(device)
+            for w, mask in seen.items():
+                self.bias[w] = _additive(mask).repeat_interleave(group, 0)[None].to(device)
 
     def read(self, pool: torch.Tensor, cells: torch.Tensor | None) -> torch.Tensor:
         """The K or V rows read, `[Hkv, T*L or C, D]`."""
@@ -235,7 +236,7 @@ class _Part:
     width: int | None = None
 
 
-def _split_parts(plan: StepPlan, bounds: list[int], n_kv: int, group: int, windows, device) -> list[_Part]:
+def _split_parts(plan: StepPlan, seen: dict, bounds: list[int], n_kv: int, group: int, device) -> list[_Part]:
     """One sdpa part per multi-row chunk (rows `bounds[i]:bounds[i+1]`), one gather part for all one-row ones."""
     parts, singles = [], []
     read_idx = None if plan.read_idx is None else plan.read_idx.cpu()
@@ -245,24 +246,23 @@ def _split_parts(plan: StepPlan, bounds: list[int], n_kv: int, group: int, windo
             continue
         cols = plan.visible[a:b].any(0).nonzero().flatten()
         cells = cols if read_idx is None else read_idx[cols]
-        masks = {w: _windowed(plan, w)[a:b][:, cols][None, None].to(device) for w in windows}
+        masks = {w: mask[a:b, cols][None, None].to(device) for w, mask in seen.items()}
         parts.append(_Part(slice(a, b), cells.to(device), masks))
     if singles:
         rows = torch.tensor(singles)
-        gather = gather_rows(plan.visible[rows])
-        cells, width, bias = _gather_part(plan, gather, rows, n_kv, group, windows, device)
+        cells, width, bias = _gather_part(plan, seen, gather_rows(plan.visible[rows]), rows, n_kv, group, device)
         parts.append(_Part(rows.to(device), cells, bias, width))
     return parts
 
 
-def _gather_part(plan: StepPlan, gather, rows, n_kv: int, group: int, windows, device):
+def _gather_part(plan: StepPlan, seen: dict, gather, rows, n_kv: int, group: int, device):
     """Pool indices `[t*L]`, width L and additive biases `[Hkv*t, G, L]` per window of gathered rows."""
     idx = gather.idx if plan.read_idx is None else plan.read_idx.cpu()[gather.idx]
     n_tok, width = idx.shape
     bias = {}
-    for w in windows:
-        seen = torch.gather(_windowed(plan, w)[rows], 1, gather.idx) & gather.valid
-        bias[w] = _additive(seen)[None, :, None, :].expand(
+    for w, mask in seen.items():
+        visible = torch.gather(mask[rows], 1, gather.idx) & gather.valid
+        bias[w] = _additive(visible)[None, :, None, :].expand(
             n_kv, n_tok, group, width).reshape(n_kv * n_tok, group, width).to(device)
     return idx.reshape(-1).to(device), width, bias
 

@@ -260,8 +260,9 @@ class Scheduler:
     def schedule(self) -> list[Chunk]:
         plan = TickPlan()
         budget = self.max_num_batched_tokens
-        decoding = sum(1 for s in self.running if s.cache_target() - s.n_cached == 1)
-        prefill = self._prefill_cap(decoding) if decoding else budget  # left for prefill chunks
+        wants = [s.cache_target() - s.n_cached for s in self.running]
+        decoding = wants.count(1)
+        prefill = self._prefill_cap(decoding, wants) if decoding else budget  # left for prefill chunks
         # Decodes first (1 token each), then unfinished prefills, oldest first.
         for seq in sorted(self.running, key=lambda s: (s.pending > 1, s.admitted_at)):
             if seq.status is not SeqStatus.RUNNING or budget == 0:
@@ -291,12 +292,12 @@ class Scheduler:
                 budget -= n
         return list(plan.chunks.values())
 
-    def _prefill_cap(self, decoding: int) -> int:
+    def _prefill_cap(self, decoding: int, running_wants: list[int]) -> int:
         """Prefill tokens a tick may carry beside `decoding` decodes (see __init__ for why)."""
         cap = max(self.prefill_while_decoding, decoding)
         if self.prefill_backlog_ticks > 0:
-            wants = (s.cache_target() - s.n_cached for s in (*self.running, *self.waiting))
-            backlog = sum(w for w in wants if w > 1)
+            waiting_wants = (s.cache_target() - s.n_cached for s in self.waiting)
+            backlog = sum(w for w in (*running_wants, *waiting_wants) if w > 1)
             cap = max(cap, -(-backlog // self.prefill_backlog_ticks))
         return cap
 

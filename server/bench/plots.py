@@ -4,6 +4,7 @@
   closed loop, request rate for open loop); a single level gives a single point.
 - `ttft_cdf.png`, `e2el_cdf.png`: empirical CDFs of TTFT and end-to-end latency, one line per level.
 - `plot_servers`: `bench compare`'s chart, several servers' output tokens/s against concurrency.
+- `plot_side_by_side`: `side_by_side plot`'s chart, one panel per llama-server/cellserve run folder.
 Skipped levels and levels without successful requests are left out of the charts.
 """
 
@@ -83,6 +84,27 @@ def plot_servers(runs: list[dict], path: str) -> None:
     ax.grid(alpha=0.3)
     ax.legend()
     ax.set_title("same workload, same machine")
+    _save(fig, path)
+
+
+def plot_side_by_side(runs: list[str], path: str) -> None:
+    """One panel per `side_by_side run` folder (its rows.json): output tok/s against clients, both
+    servers, every round."""
+    import json
+
+    fig, axes = plt.subplots(1, len(runs), figsize=(3.2 * len(runs), 3.2), squeeze=False)
+    for ax, folder in zip(axes[0], runs):
+        for r in json.loads((Path(folder) / "rows.json").read_text())["rows"]:
+            cs = sorted(int(c) for c in r["levels"])
+            ax.plot(cs, [r["levels"][str(c)]["tok_s"] for c in cs], marker="o", alpha=0.8,
+                    color="tab:blue" if r["server"] == "cellserve" else "tab:orange",
+                    label=r["server"] if r["round"] == 0 else None)
+        ax.set_xscale("log", base=2)
+        ax.set_title(Path(folder).name.removeprefix("sbs-"), fontsize="small")
+        ax.set_xlabel("streaming clients")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].set_ylabel("output tok/s")
+    axes[0][0].legend(fontsize="small")
     _save(fig, path)
 
 

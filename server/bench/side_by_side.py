@@ -232,33 +232,6 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def plot(runs: list[str], out: str) -> Path:
-    """One panel per run folder (its rows.json): output tok/s against clients, both servers, every round."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, axes = plt.subplots(1, len(runs), figsize=(3.2 * len(runs), 3.2), squeeze=False)
-    for ax, folder in zip(axes[0], runs):
-        rows = json.loads((Path(folder) / "rows.json").read_text())["rows"]
-        for r in rows:
-            cs = sorted(int(c) for c in r["levels"])
-            style = {"color": "tab:blue" if r["server"] == "cellserve" else "tab:orange", "marker": "o"}
-            ax.plot(cs, [r["levels"][str(c)]["tok_s"] for c in cs], alpha=0.8,
-                    label=r["server"] if r["round"] == 0 else None, **style)
-        ax.set_xscale("log", base=2)
-        ax.set_title(Path(folder).name.removeprefix("sbs-"), fontsize="small")
-        ax.set_xlabel("streaming clients")
-        ax.grid(True, alpha=0.3)
-    axes[0][0].set_ylabel("output tok/s")
-    axes[0][0].legend(fontsize="small")
-    fig.tight_layout()
-    fig.savefig(out, dpi=80)
-    plt.close(fig)
-    return Path(out)
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m server.bench.side_by_side", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -286,7 +259,10 @@ def main(argv: list[str] | None = None) -> int:
     g.add_argument("--png", required=True)
     args = p.parse_args(argv)
     if args.cmd == "plot":
-        print(plot(args.runs, args.png))
+        from server.bench.plots import plot_side_by_side  # matplotlib only for this command
+
+        plot_side_by_side(args.runs, args.png)
+        print(args.png)
         return 0
     if args.cmd == "bpe-copy":
         print(bpe_copy(Path(args.src), Path(args.dst)))

@@ -173,6 +173,15 @@ def unavailable(message: str, **extra) -> JSONResponse:
                         headers={"Retry-After": str(RETRY_AFTER_S)})
 
 
+def replica_error(got: dict[str, tuple[int, bytes, list]]) -> Response | None:
+    """An aggregated route's answer when some replica refused it (401, 404, ...): that replica's error as
+    is. A replica that is down (503) is not an error here: the route reports it among its fields."""
+    for status, body, _ in got.values():
+        if status not in (200, 503):
+            return Response(body, status_code=status, media_type="application/json")
+    return None
+
+
 def build_ingress_app(handles: list, limits: Limits) -> FastAPI:
     """The ingress app over replica handles (`replica_handles`); run it with uvicorn like the single server."""
     app = FastAPI(title="cellserve (scale-out)", redirect_slashes=False, docs_url=None, redoc_url=None,
@@ -219,9 +228,8 @@ def build_ingress_app(handles: list, limits: Limits) -> FastAPI:
     @app.get("/v1/cache")
     async def cache(request: Request) -> Response:
         got = await each(request, "/v1/cache")
-        first_error = next(((s, b) for s, b, _ in got.values() if s != 200), None)
-        if first_error is not None and first_error[0] != 503:
-            return Response(first_error[1], status_code=first_error[0], media_type="application/json")
+        if (error := replica_error(got)) is not None:
+            return error
         views = {name: json.loads(body) for name, (status, body, _) in got.items() if status == 200}
         down = [name for name, (status, _, _) in got.items() if status != 200]
         return JSONResponse({**sum_cache(views), "unavailable_replicas": down})
@@ -229,9 +237,8 @@ def build_ingress_app(handles: list, limits: Limits) -> FastAPI:
     @app.delete("/v1/cache/prefixes")
     async def clear_prefixes(request: Request) -> Response:
         got = await each(request, "/v1/cache/prefixes", "DELETE")
-        for status, body, _ in got.values():
-            if status not in (200, 503):
-                return Response(body, status_code=status, media_type="application/json")
+        if (error := replica_error(got)) is not None:
+            return error
         freed = {name: json.loads(body)["freed_cells"] for name, (status, body, _) in got.items() if status == 200}
         return JSONResponse({"object": "cache.prefixes.cleared", "freed_cells": sum(freed.values()),
                              "replicas": freed, "unavailable_replicas": sorted(set(got) - set(freed))})
@@ -239,9 +246,8 @@ def build_ingress_app(handles: list, limits: Limits) -> FastAPI:
     @app.get("/v1/sequences")
     async def list_sequences(request: Request) -> Response:
         got = await each(request, "/v1/sequences")
-        for status, body, _ in got.values():
-            if status not in (200, 503):
-                return Response(body, status_code=status, media_type="application/json")
+        if (error := replica_error(got)) is not None:
+            return error
         data = [dict(s, replica=name) for name, (status, body, _) in got.items() if status == 200
                 for s in json.loads(body)["data"]]
         return JSONResponse({"object": "list", "data": data})

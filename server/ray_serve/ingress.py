@@ -107,22 +107,16 @@ class ReplicaSet:
             return best, policy
         return best, "least-loaded"
 
+    def open(self, i: int, method: str, path: str, query: bytes, headers: list, body: bytes) -> "ReplicaAnswer":
+        """Send a request to replica i; it counts as in flight there from now, before anything is awaited,
+        so a burst of requests routed in one go sees each earlier choice (not only the last poll)."""
+        gen = self.handles[i].options(stream=True).forward.remote(method, path, query, headers, body)
+        return ReplicaAnswer(self, i, gen)
+
     async def call(self, i: int, method: str, path: str, query: bytes, headers: list, body: bytes
                    ) -> "ReplicaAnswer":
         """Send a request to replica i and wait for its status and headers. Raises ReplicaDown."""
-        gen = self.handles[i].options(stream=True).forward.remote(method, path, query, headers, body)
-        answer = ReplicaAnswer(self, i, gen)
-        try:
-            await asyncio.wait_for(gen.__anext__(), ACCEPT_TIMEOUT_S)  # ("accepted",)
-            start = await gen.__anext__()
-        except (Exception, TimeoutError) as exc:
-            answer.close()
-            raise self._down(i, exc) from exc
-        except BaseException:  # cancelled (the client went away): stop the replica's work too
-            answer.close()
-            raise
-        answer.status, answer.headers = start[1], [(k, v) for k, v in start[2] if k.lower() not in HOP]
-        return answer
+        return await self.open(i, method, path, query, headers, body).start()
 
     def _down(self, i: int, exc: BaseException) -> ReplicaDown:
         self.board.mark_down(i)
@@ -142,6 +136,20 @@ class ReplicaAnswer:
         self.status, self.headers = 0, []
         self.closed = False
         replicas.board.inflight[i] += 1
+
+    async def start(self) -> "ReplicaAnswer":
+        """Wait until the replica accepts the request and sends status and headers. Raises ReplicaDown."""
+        try:
+            await asyncio.wait_for(self.gen.__anext__(), ACCEPT_TIMEOUT_S)  # ("accepted",)
+            start = await self.gen.__anext__()
+        except (Exception, TimeoutError) as exc:
+            self.close()
+            raise self.replicas._down(self.i, exc) from exc
+        except BaseException:  # cancelled (the client went away): stop the replica's work too
+            self.close()
+            raise
+        self.status, self.headers = start[1], [(k, v) for k, v in start[2] if k.lower() not in HOP]
+        return self
 
     def close(self) -> None:
         if not self.closed:
@@ -260,12 +268,13 @@ def build_ingress_app(handles: list, limits: Limits) -> FastAPI:
         i, policy = rs.choose(path, body)
         tried = {i}
         while True:
+            answer = rs.open(i, request.method, path, query, fwd_headers(request), body)
             try:  # a non-streaming answer starts only when it is complete: watch the client meanwhile
-                answer = await until_disconnect(request, rs.call(i, request.method, path, query,
-                                                                 fwd_headers(request), body))
+                started = await until_disconnect(request, answer.start())
             except ReplicaDown as exc:
                 return unavailable(str(exc), replica=replica_name(i))
-            if answer is None:
+            if started is None:
+                answer.close()  # the start may never have run: stop the replica's side here
                 return Response(status_code=499)  # the client is gone; nobody reads this
             untried = [j for j in range(len(rs.handles)) if j not in tried and rs.board.up(j)]
             if answer.status != 429 or policy == "affinity" or not untried:

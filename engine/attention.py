@@ -63,11 +63,11 @@ def mask_spec_for(model) -> MaskSpec:
 def build_mask(plan: StepPlan, spec: MaskSpec):
     """The 4D mask `[1, 1, T, C]` (or a dict of them) for this step's plan."""
     if spec.layer_windows is not None:
-        return {name: _finish(_windowed(plan, w), spec) for name, w in spec.layer_windows.items()}
-    return _finish(_windowed(plan, spec.window), spec)
+        return {name: _finish(windowed(plan, w), spec) for name, w in spec.layer_windows.items()}
+    return _finish(windowed(plan, spec.window), spec)
 
 
-def _windowed(plan: StepPlan, window: int | None) -> torch.Tensor:
+def windowed(plan: StepPlan, window: int | None) -> torch.Tensor:
     if window is None:
         return plan.visible
     return plan.visible & (plan.key_pos[None, :] > plan.positions[:, None] - window)

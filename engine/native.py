@@ -7,23 +7,26 @@ OpenMP region), not arithmetic. `NativeLlama` runs the same model from the same 
   CPUs with AVX512-BF16), with SiLU, the gate*up product and the residual adds fused into the
   matmuls as oneDNN post-ops;
 - RoPE applied to Q and K together from one cos/sin table per step (not per layer);
-- K/V written straight into the cell pools and attention read straight from them: for decode-heavy
-  steps each query row gathers its own visible cells from the pool (no compacted-window copy
-  first), with the mask folded into an additive bias built once per step for all layers.
+- K/V written straight into the cell pools and attention read straight from them
+  (`engine/native_attention.py`): decoding rows read their own visible cells, with the mask folded
+  into an additive bias built once per step for all layers;
+- with the fused CPU kernels (`engine/kernels.py`, built once; eager ops when they cannot be built):
+  RMSNorm in one pass, RoPE + the K/V pool write in one pass, and decode attention reading the
+  cells in place, so a layer runs 9 ops instead of ~35.
 
 The transformers modules stay the general path for every other architecture and the oracle the
 tests compare this one against (fp32: same logits within 1e-4, same greedy tokens).
 """
 
 import time
-from dataclasses import dataclass
-from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
 
-from engine.attention import MaskSpec, gather_rows, row_gather_for
+from engine import kernels
+from engine.attention import MaskSpec
 from engine.cells import CellCache, StepPlan
+from engine.native_attention import Attend
 
 NATIVE_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -142,150 +145,6 @@ class _Layer:
         self.window = window
 
 
-class _Attend:
-    """How this step's queries read the pools, decided once for every layer.
-
-    Steps of one-row (decoding) queries: `gather`, query row i reads only its own visible cells
-    (`cells` [T*L] pool indices) with an additive `bias` [Hkv*T, G, L]; or `dense` (one row, or rows
-    that each see most of the window), every row reads the step's window (`cells` [C] or the prefix
-    [0, read_len)) with `bias` [1, T*G, C]. Steps with a prefill chunk: `split`, each chunk reads only
-    the cells its own rows can see, through torch's tiled sdpa kernel with a bool mask, and the
-    step's one-row queries are one `gather` part. A chunk reading the whole step window would cost
-    its rows x every cell of every sequence in the step (with 32 1,000-token conversations, 32x
-    the attention work of reading its own history), and gathering per row would copy its history
-    once per row.
-    """
-
-    def __init__(self, plan: StepPlan, n_kv: int, group: int, windows, device):
-        n_tok = plan.visible.shape[0]
-        self.n_tok, self.n_kv, self.group = n_tok, n_kv, group
-        ids = plan.seq_ids
-        bounds = [0, *((ids[1:] != ids[:-1]).nonzero().flatten() + 1).tolist(), n_tok]
-        rows = None
-        if len(bounds) - 1 < n_tok:  # some sequence brings several rows: a prefill chunk
-            self.mode = "split"
-        else:
-            rows = row_gather_for(plan, max_tokens=None)
-            self.mode = "dense" if rows is None else "gather"
-        self.read_len = plan.read_len
-        self.bias: dict[int | None, torch.Tensor] = {}
-        seen = {w: _windowed(plan, w) for w in windows}  # [T, C] visibility per attention window
-        if self.mode == "split":
-            self.parts = _split_parts(plan, seen, bounds, n_kv, group, device)
-        elif self.mode == "gather":
-            self.cells, self.width, self.bias = _gather_part(plan, seen, rows, slice(None), n_kv, group, device)
-        else:
-            self.cells = None if plan.read_idx is None else plan.read_idx
-            for w, mask in seen.items():
-                self.bias[w] = _additive(mask).repeat_interleave(group, 0)[None].to(device)
-
-    def read(self, pool: torch.Tensor, cells: torch.Tensor | None) -> torch.Tensor:
-        """The K or V rows read, `[Hkv, T*L or C, D]`."""
-        if cells is None:
-            return pool[0, :, : self.read_len]
-        return pool[0].index_select(1, cells)
-
-    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window) -> torch.Tensor:
-        """q `[T, Hq, D]` -> attention output `[T, Hq*D]`."""
-        if self.mode != "split":
-            width = self.width if self.mode == "gather" else None
-            return self._bmm(q, self.read(keys, self.cells), self.read(values, self.cells), self.bias[window],
-                             scale, width)
-        out = q.new_empty(self.n_tok, q.shape[1] * q.shape[2])
-        for part in self.parts:
-            k, v = self.read(keys, part.cells), self.read(values, part.cells)
-            if part.width is not None:
-                out[part.rows] = self._bmm(q[part.rows], k, v, part.masks[window], scale, part.width)
-            else:
-                o = F.scaled_dot_product_attention(q[part.rows].transpose(0, 1)[None], k[None], v[None],
-                                                   attn_mask=part.masks[window], scale=scale,
-                                                   enable_gqa=self.group > 1)
-                out[part.rows] = o[0].transpose(0, 1).reshape(o.shape[2], -1)
-        return out
-
-    def _bmm(self, q, k, v, bias, scale, width):
-        """Scores, softmax and values by batched matmuls: per row over `width` gathered cells, or every
-        row over the same window (`width` None)."""
-        n_tok, n_kv, group, head_dim = q.shape[0], self.n_kv, self.group, q.shape[-1]
-        dtype = q.dtype
-        if dtype != torch.float32 and n_tok == 1:
-            # One decoding row: torch's CPU bf16 bmm builds a oneDNN primitive for every new key
-            # length (every step), ~10x the work; fp32 copies of so few rows cost less. With more
-            # rows the bf16 kernels win (measured: 32 rows 2.3x slower in fp32).
-            q, k, v = q.float(), k.float(), v.float()
-        q = q.reshape(n_tok, n_kv, group, head_dim).transpose(0, 1)  # [Hkv, T, G, D]
-        if width is not None:
-            q = q.reshape(n_kv * n_tok, group, head_dim)
-            k = k.view(n_kv * n_tok, width, head_dim)
-            v = v.view(n_kv * n_tok, width, head_dim)
-        else:
-            q = q.reshape(n_kv, n_tok * group, head_dim)
-        probs = _softmax_scores(q, k, bias, scale).to(v.dtype)
-        out = torch.bmm(probs, v)  # [Hkv*T, G, D] or [Hkv, T*G, D]
-        return out.view(n_kv, n_tok, group, head_dim).transpose(0, 1).reshape(n_tok, -1).to(dtype)
-
-
-@dataclass
-class _Part:
-    """Some rows of a `split` step: the pool cells they read and their mask per window (`width` set:
-    a gather part with additive biases; None: one chunk's bool mask for sdpa)."""
-
-    rows: slice | torch.Tensor
-    cells: torch.Tensor
-    masks: dict
-    width: int | None = None
-
-
-def _split_parts(plan: StepPlan, seen: dict, bounds: list[int], n_kv: int, group: int, device) -> list[_Part]:
-    """One sdpa part per multi-row chunk (rows `bounds[i]:bounds[i+1]`), one gather part for all one-row ones."""
-    parts, singles = [], []
-    read_idx = None if plan.read_idx is None else plan.read_idx.cpu()
-    for a, b in pairwise(bounds):
-        if b - a == 1:
-            singles.append(a)
-            continue
-        cols = plan.visible[a:b].any(0).nonzero().flatten()
-        cells = cols if read_idx is None else read_idx[cols]
-        masks = {w: mask[a:b, cols][None, None].to(device) for w, mask in seen.items()}
-        parts.append(_Part(slice(a, b), cells.to(device), masks))
-    if singles:
-        rows = torch.tensor(singles)
-        cells, width, bias = _gather_part(plan, seen, gather_rows(plan.visible[rows]), rows, n_kv, group, device)
-        parts.append(_Part(rows.to(device), cells, bias, width))
-    return parts
-
-
-def _gather_part(plan: StepPlan, seen: dict, gather, rows, n_kv: int, group: int, device):
-    """Pool indices `[t*L]`, width L and additive biases `[Hkv*t, G, L]` per window of gathered rows."""
-    idx = gather.idx if plan.read_idx is None else plan.read_idx.cpu()[gather.idx]
-    n_tok, width = idx.shape
-    bias = {}
-    for w, mask in seen.items():
-        visible = torch.gather(mask[rows], 1, gather.idx) & gather.valid
-        bias[w] = _additive(visible)[None, :, None, :].expand(
-            n_kv, n_tok, group, width).reshape(n_kv * n_tok, group, width).to(device)
-    return idx.reshape(-1).to(device), width, bias
-
-
-def _softmax_scores(q, k, bias, scale):
-    if q.dtype == torch.float32:
-        scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=scale)
-    else:  # low precision: accumulate the scores and the softmax in fp32
-        scores = torch.bmm(q, k.transpose(1, 2)).float().mul_(scale).add_(bias)
-    return torch.softmax(scores, dim=-1)
-
-
-def _windowed(plan: StepPlan, window: int | None) -> torch.Tensor:
-    if window is None:
-        return plan.visible
-    return plan.visible & (plan.key_pos[None, :] > plan.positions[:, None] - window)
-
-
-def _additive(seen: torch.Tensor) -> torch.Tensor:
-    """0 where visible, -inf elsewhere; fp32, since scores are fp32 whatever the model dtype."""
-    return torch.zeros(seen.shape, dtype=torch.float32).masked_fill_(~seen, float("-inf"))
-
-
 class NativeLlama:
     """The Llama-family forward over a `CellCache`, built from (and sharing the math of) an HF model.
 
@@ -316,31 +175,53 @@ class NativeLlama:
         self.n_heads = cfg.num_attention_heads
         self.n_kv = cfg.num_key_value_heads or self.n_heads
         self.dtype = model.dtype
+        # the fused kernels when they load (fp32 and bf16); tests flip this to check both paths agree
+        self.fused = self.dtype in (torch.float32, torch.bfloat16) and kernels.load()
 
     def forward(self, cache: CellCache, tokens: torch.Tensor, plan: StepPlan, rows: torch.Tensor) -> torch.Tensor:
         """Logits `[len(rows), vocab]` (fp32) of the given rows of this planned step."""
-        n_tok, n_q, n_kv, head_dim = tokens.numel(), self.n_heads, self.n_kv, self.head_dim
         x = F.embedding(tokens, self.embed)  # [T, H]
         cos, sin = self.rotary(x, plan.positions[None])
-        half = head_dim // 2
-        cos = cos[0, :, None, :]  # [T, 1, D]
-        sin = torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)[:, None, :]  # rotate_half's sign folded in
-        attend = _Attend(plan, n_kv, n_q // n_kv, self.windows, x.device)
-        cells = plan.kv_cells
+        attend = Attend(plan, self.n_kv, self.n_heads // self.n_kv, self.windows, x.device, self.fused)
+        step = self._fused_layer if self.fused else self._eager_layer
+        rope = (cos[0], sin[0]) if self.fused else _eager_rope(cos, sin, self.head_dim)
         for layer, pools in zip(self.layers, cache.layers):
-            h = F.rms_norm(x, (x.shape[-1],), layer.ln1, layer.eps1)
-            qkv = layer.qkv(h)
-            qk = qkv[:, : (n_q + n_kv) * head_dim].view(n_tok, n_q + n_kv, head_dim)
-            qk = torch.addcmul(qk * cos, qk.roll(half, -1), sin)  # RoPE on Q and K at once
-            q, k = qk[:, :n_q], qk[:, n_q:]
-            v = qkv[:, (n_q + n_kv) * head_dim :].view(n_tok, n_kv, head_dim)
-            if not pools.is_initialized:
-                pools.lazy_initialization(k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-            pools.keys.index_copy_(2, cells, k.transpose(0, 1)[None])
-            pools.values.index_copy_(2, cells, v.transpose(0, 1)[None])
-            a = attend(q, pools.keys, pools.values, layer.scale, layer.window)
-            x = layer.o.plus(a, x)
-            h = F.rms_norm(x, (x.shape[-1],), layer.ln2, layer.eps2)
-            x = layer.down.plus(layer.up.times(h, layer.gate.silu(h)), x)
-        x = F.rms_norm(x.index_select(0, rows), (x.shape[-1],), self.norm, self.norm_eps)
+            if not pools.is_initialized:  # the pools take their shape from the first K/V they see
+                kv = x.new_zeros(1, self.n_kv, 1, self.head_dim)
+                pools.lazy_initialization(kv, kv)
+            x = step(layer, x, pools, rope, plan.kv_cells, attend)
+        x = self._norm(x.index_select(0, rows), self.norm, self.norm_eps)
         return self.head(x).float()
+
+    def _fused_layer(self, layer: _Layer, x, pools, rope, cells, attend) -> torch.Tensor:
+        ops = torch.ops.cellserve
+        qkv = layer.qkv(ops.rms_norm(x, layer.ln1, layer.eps1))
+        q = ops.rope_store(qkv, *rope, pools.keys, pools.values, cells, self.n_heads, self.n_kv)
+        x = layer.o.plus(attend(q, pools.keys, pools.values, layer.scale, layer.window), x)
+        h = ops.rms_norm(x, layer.ln2, layer.eps2)
+        return layer.down.plus(layer.up.times(h, layer.gate.silu(h)), x)
+
+    def _eager_layer(self, layer: _Layer, x, pools, rope, cells, attend) -> torch.Tensor:
+        n_tok, n_q, n_kv, head_dim = x.shape[0], self.n_heads, self.n_kv, self.head_dim
+        cos, sin = rope
+        qkv = layer.qkv(F.rms_norm(x, (x.shape[-1],), layer.ln1, layer.eps1))
+        qk = qkv[:, : (n_q + n_kv) * head_dim].view(n_tok, n_q + n_kv, head_dim)
+        qk = torch.addcmul(qk * cos, qk.roll(head_dim // 2, -1), sin)  # RoPE on Q and K at once
+        q, k = qk[:, :n_q], qk[:, n_q:]
+        v = qkv[:, (n_q + n_kv) * head_dim :].view(n_tok, n_kv, head_dim)
+        pools.keys.index_copy_(2, cells, k.transpose(0, 1)[None])
+        pools.values.index_copy_(2, cells, v.transpose(0, 1)[None])
+        x = layer.o.plus(attend(q, pools.keys, pools.values, layer.scale, layer.window), x)
+        h = F.rms_norm(x, (x.shape[-1],), layer.ln2, layer.eps2)
+        return layer.down.plus(layer.up.times(h, layer.gate.silu(h)), x)
+
+    def _norm(self, x, weight, eps) -> torch.Tensor:
+        if self.fused:
+            return torch.ops.cellserve.rms_norm(x.contiguous(), weight, eps)
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+def _eager_rope(cos: torch.Tensor, sin: torch.Tensor, head_dim: int):
+    """cos `[T, 1, D]` and sin `[T, 1, D]` with rotate_half's sign folded in (for `roll`)."""
+    half = head_dim // 2
+    return cos[0, :, None, :], torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)[:, None, :]

@@ -13,7 +13,7 @@ from engine_support import (
 )
 from tiny_models import tiny_model
 
-from engine import native
+from engine.native_attention import Attend
 from engine.sampling_params import SamplingParams
 
 
@@ -30,12 +30,12 @@ def _fail_next_forward(monkeypatch, model, layer=1):
     """Make decoder layer `layer` raise on its next call only (the model is real; one layer misbehaves),
     whichever path the runner takes: the transformers modules or the native forward (engine/native.py)."""
     target = model.model.layers[layer]
-    original, attend = target.forward, native._Attend.__call__
+    original, attend = target.forward, Attend.__call__
     calls = []
 
     def boom(*args, **kwargs):
         monkeypatch.setattr(target, "forward", original)
-        monkeypatch.setattr(native._Attend, "__call__", attend)
+        monkeypatch.setattr(Attend, "__call__", attend)
         raise Boom("injected failure")
 
     def native_layer(self, *args, **kwargs):  # called once per layer, in order
@@ -45,7 +45,7 @@ def _fail_next_forward(monkeypatch, model, layer=1):
         return attend(self, *args, **kwargs)
 
     monkeypatch.setattr(target, "forward", boom)
-    monkeypatch.setattr(native._Attend, "__call__", native_layer)
+    monkeypatch.setattr(Attend, "__call__", native_layer)
 
 
 def test_failed_forward_fails_only_its_step(monkeypatch, model):

@@ -9,7 +9,9 @@ import pytest
 import torch
 from tiny_models import full_logits, tiny_model
 
+from engine import kernels
 from engine import native as native_mod
+from engine.native_attention import Attend
 from engine.runner import ModelRunner
 
 ATOL = 1e-4
@@ -23,21 +25,24 @@ def _prompt(n, seed):
 def _modes(monkeypatch) -> list[str]:
     """Record the attention mode of every native step."""
     seen = []
-    orig = native_mod._Attend.__init__
+    orig = Attend.__init__
 
     def spy(self, *args, **kwargs):
         orig(self, *args, **kwargs)
         seen.append(self.mode)
 
-    monkeypatch.setattr(native_mod._Attend, "__init__", spy)
+    monkeypatch.setattr(Attend, "__init__", spy)
     return seen
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["kernels", "eager"])
 @pytest.mark.parametrize("name", ["llama_gqa", "qwen2", "qwen2_sliding", "mistral"])
-def test_every_attention_mode_matches_the_oracle(name, monkeypatch):
+def test_every_attention_mode_matches_the_oracle(name, fused, monkeypatch):
     model = tiny_model(name)
     runner = ModelRunner(model, n_cells=512)
     assert runner.native is not None
+    assert runner.native.fused, f"the fused kernels did not load: {kernels.why_not()}"
+    runner.native.fused = fused
     modes = _modes(monkeypatch)
     hist = {0: _prompt(150, 1), 1: _prompt(9, 2)}
     out = runner.run({0: (hist[0], 0), 1: (hist[1], 0)})  # 159 tokens: each long chunk goes to sdpa over its own cells
@@ -69,15 +74,17 @@ def test_every_attention_mode_matches_the_oracle(name, monkeypatch):
     hist[10].append(int(out[10].argmax()))  # one sequence decoding alone reads its window densely
     out = runner.run({10: (hist[10][-1:], len(hist[10]) - 1)})
     torch.testing.assert_close(out[10], full_logits(model, hist[10])[-1], atol=ATOL, rtol=0)
-    assert {"split", "dense", "gather"} <= set(modes)
+    assert set(modes) == ({"split", "cells"} if fused else {"split", "dense", "gather"})
 
 
-def test_bf16_stays_close_to_the_fp32_oracle():
+@pytest.mark.parametrize("fused", [True, False], ids=["kernels", "eager"])
+def test_bf16_stays_close_to_the_fp32_oracle(fused):
     """bf16 rounds differently from fp32 at every op: same top token, logits within a stated 0.05."""
     model = tiny_model("llama_gqa")
     ref_model = tiny_model("llama_gqa")
     runner = ModelRunner(model.to(torch.bfloat16), n_cells=256)
     assert runner.native is not None
+    runner.native.fused = fused
     hist = {s: _prompt(6 + s, s) for s in range(4)}
     out = runner.run({s: (h, 0) for s, h in hist.items()})
     for _ in range(4):

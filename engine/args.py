@@ -6,7 +6,8 @@ and the benchmarks all go through `build_engine`, so a default changes in exactl
 module imports no torch: the CLI reads the defaults without loading the engine.
 """
 
-from dataclasses import dataclass, replace
+import os
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 DEFAULT_SLOTS = 256  # sequence slots in the cell pool at least (persistent and cached sequences hold one)
@@ -27,6 +28,11 @@ class EngineArgs:
     threads: int | None = None  # torch CPU threads; None: torch's default
     attention: str = "fast"  # "fast" (compacted, per-row gather) or "reference" (dense mask)
     prefix_caching: bool = True  # share cached prefixes automatically (finished requests keep their cells)
+    # While n sequences decode, a tick carries at most max(prefill_while_decoding, n, backlog /
+    # prefill_backlog_ticks) prefill tokens, backlog being the prompt tokens still to prefill (0 ticks:
+    # no backlog term). The environment may override both, for A/B runs. Scheduler says why.
+    prefill_while_decoding: int = field(default_factory=lambda: _env_int("CELLSERVE_PREFILL_WHILE_DECODING", 32))
+    prefill_backlog_ticks: int = field(default_factory=lambda: _env_int("CELLSERVE_PREFILL_BACKLOG_TICKS", 16))
 
     @property
     def max_seqs(self) -> int:
@@ -45,6 +51,16 @@ class EngineArgs:
         """What a `ModelRunner` takes from these args (the benchmarks build one over an in-memory model)."""
         return {"n_cells": self.n_cells, "kv_memory_bytes": self.kv_memory_bytes, "max_seqs": self.max_seqs,
                 "threads": self.threads, "attention": self.attention}
+
+
+def _env_int(name: str, default: int) -> int:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not an integer") from None
 
 
 def build_engine(args: EngineArgs, runner=None):

@@ -21,7 +21,7 @@ import platform
 import sys
 import time
 from collections.abc import Iterable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 
@@ -126,10 +126,10 @@ def run_cellserve(model, prompts, output_len: int, attention: str, concurrency: 
     # a pool that holds every request in flight, full batches, no queue limit; the rest: EngineArgs' defaults
     args = EngineArgs(n_cells=concurrency * (max(len(p) for p in prompts) + output_len) + 64, attention=attention,
                       max_num_batched_tokens=2048, max_queue=1 << 20)
+    if prefill_cap is not None:
+        args = replace(args, prefill_while_decoding=prefill_cap)
     runner = TimedRunner(model, **args.runner_kwargs(), native=native)
     engine = build_engine(args, runner)
-    if prefill_cap is not None:
-        engine.scheduler.prefill_while_decoding = prefill_cap
     g = torch.Generator().manual_seed(2)
     lengths = (output_len * (1 - range_ratio + 2 * range_ratio * torch.rand(len(prompts), generator=g))).round()
     params = [SamplingParams(max_tokens=max(1, int(n)), temperature=0.0, ignore_eos=True) for n in lengths]

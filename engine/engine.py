@@ -47,8 +47,10 @@ class Engine:
         self.config = config or EngineArgs()
         self.cache = runner.cache
         self.tokenizer = runner.tokenizer
-        self.scheduler = Scheduler(self.cache, self.config.max_num_seqs, self.config.max_num_batched_tokens,
-                                   prefix_caching=self.config.prefix_caching)
+        cfg = self.config
+        self.scheduler = Scheduler(self.cache, cfg.max_num_seqs, cfg.max_num_batched_tokens,
+                                   prefix_caching=cfg.prefix_caching, prefill_while_decoding=cfg.prefill_while_decoding,
+                                   prefill_backlog_ticks=cfg.prefill_backlog_ticks)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
         self.persistent = SequenceTable(self.scheduler)

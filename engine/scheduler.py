@@ -16,7 +16,6 @@ no cells first shares the longest prefix any holder has cached (see `engine.pref
 """
 
 import heapq
-import os
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -26,11 +25,6 @@ from engine.prefix_cache import BLOCK, PrefixIndex
 from engine.sequence import SeqStatus, Sequence
 
 PREFIX_MIN_TOKENS = BLOCK  # a cached prefix shorter than one index block can never be found: not kept
-# While n sequences decode, a tick carries at most max(this, n, backlog / PREFILL_BACKLOG_TICKS) prefill
-# tokens, where backlog is the prompt tokens still to prefill (the environment may override both, for A/B
-# runs; PREFILL_BACKLOG_TICKS=0 drops the backlog term).
-PREFILL_TOKENS_WHILE_DECODING = int(os.environ.get("CELLSERVE_PREFILL_WHILE_DECODING", "32"))
-PREFILL_BACKLOG_TICKS = int(os.environ.get("CELLSERVE_PREFILL_BACKLOG_TICKS", "8"))
 
 
 @dataclass
@@ -76,7 +70,7 @@ class Scheduler:
     """
 
     def __init__(self, cache: CellCache, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefix_caching: bool = True):
+                 prefix_caching: bool = True, prefill_while_decoding: int = 32, prefill_backlog_ticks: int = 16):
         self.cache = cache
         self.prefix_caching = prefix_caching
         self.prefix = PrefixIndex()
@@ -89,8 +83,8 @@ class Scheduler:
         # Long prompts would starve under that cap alone (a 1,000-token prompt behind 32 tokens a tick
         # waits 30+ ticks, and every prompt queued behind it longer), so the cap also grows with the
         # backlog: whatever is waiting to be prefilled drains within about `prefill_backlog_ticks` ticks.
-        self.prefill_while_decoding = PREFILL_TOKENS_WHILE_DECODING
-        self.prefill_backlog_ticks = PREFILL_BACKLOG_TICKS
+        self.prefill_while_decoding = prefill_while_decoding
+        self.prefill_backlog_ticks = prefill_backlog_ticks
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.holders: dict[int, Sequence] = {}  # slot -> sequence holding it

@@ -57,7 +57,7 @@ def _build() -> tuple[bool, str | None]:
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return False, "no C++ compiler (c++) on PATH"
     # -march=native: a build belongs to this CPU's instruction set as much as to the source and torch
-    tag = f"{torch.__version__} {torch.backends.cpu.get_cpu_capability()} {_CFLAGS}"
+    tag = f"{torch.__version__} {_cpu_flags()} {_CFLAGS}"
     key = hashlib.sha256(SOURCE.read_bytes() + tag.encode()).hexdigest()[:16]
     build_dir = Path(os.environ.get("CELLSERVE_KERNEL_CACHE", Path.home() / ".cache" / "cellserve" / "kernels")) / key
     build_dir.mkdir(parents=True, exist_ok=True)
@@ -69,6 +69,17 @@ def _build() -> tuple[bool, str | None]:
         lines = str(e).strip().splitlines() or [type(e).__name__]
         return False, "build failed: " + next((line for line in lines if "error" in line), lines[-1])
     return True, None
+
+
+def _cpu_flags() -> str:
+    """This CPU's instruction-set flags (Linux), else torch's coarse capability name."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return torch.backends.cpu.get_cpu_capability()
 
 
 if __name__ == "__main__":  # `python -m engine.kernels`: build now (make does this at install)

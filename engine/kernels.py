@@ -1,13 +1,14 @@
 """The native forward's fused CPU kernels (`engine/csrc/cell_kernels.cpp`): built once, or not at all.
 
-`load()` compiles the kernels with torch's `cpp_extension` the first time any process asks (about half
-a minute on 2 cores; `make` does it at install) and caches the build under
-`~/.cache/cellserve/kernels/`, keyed by the source and torch version. Anything that stops the build
+`load()` compiles the kernels with torch's `cpp_extension` the first time any process asks (~15 s on
+2 cores; `make` does it at install) and caches the build under `~/.cache/cellserve/kernels/`, keyed by
+the source, torch's version, the CPU's flags and the compiler flags. Anything that stops the build
 (no compiler, no ninja, `CELLSERVE_KERNELS=0`) leaves `load()` False with the reason in `why_not()`,
 and the native forward runs the same math in eager torch ops instead: the kernels are a speed-up,
 never a requirement.
 """
 
+import functools
 import hashlib
 import logging
 import os
@@ -20,7 +21,6 @@ import torch
 log = logging.getLogger("cellserve.kernels")
 
 SOURCE = Path(__file__).parent / "csrc" / "cell_kernels.cpp"
-_state: dict[str, object] = {}
 # -fopenmp: at::parallel_for is inline and runs serially without it; the .so then links libgomp.so.1,
 # which resolves to the copy torch has already loaded (same soname), so there is one OpenMP runtime.
 # -fno-math-errno lets the softmax's exp vectorize.
@@ -29,33 +29,33 @@ _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
 
 def load() -> bool:
     """Whether `torch.ops.cellserve` is usable in this process (building it on first use)."""
-    if "ok" not in _state:
-        _state["ok"], _state["why"] = _build()
-        if not _state["ok"]:
-            log.warning("fused CPU kernels off (%s); the native forward uses eager ops", _state["why"])
-    return bool(_state["ok"])
+    return why_not() is None
 
 
+@functools.cache
 def why_not() -> str | None:
-    """Why the kernels are off (None when they are on or were not asked for yet)."""
-    return None if _state.get("ok", True) else str(_state["why"])
+    """Why the kernels are off, or None when they are on (building them on first use, once a process)."""
+    why = _build()
+    if why is not None:
+        log.warning("fused CPU kernels off (%s); the native forward uses eager ops", why)
+    return why
 
 
-def _build() -> tuple[bool, str | None]:
+def _build() -> str | None:
     if os.environ.get("CELLSERVE_KERNELS") == "0":
-        return False, "CELLSERVE_KERNELS=0"
+        return "CELLSERVE_KERNELS=0"
     try:
         from torch.utils import cpp_extension
     except ImportError as e:  # pragma: no cover - torch always ships it
-        return False, f"torch.utils.cpp_extension: {e}"
+        return f"torch.utils.cpp_extension: {e}"
     # ninja may sit beside this interpreter (the `ninja` wheel) rather than on PATH
     bindir = str(Path(sys.executable).parent)
     if bindir not in os.environ.get("PATH", "").split(os.pathsep):
         os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
     if shutil.which("ninja") is None:
-        return False, "ninja is not installed (pip install ninja)"
+        return "ninja is not installed (pip install ninja)"
     if shutil.which(os.environ.get("CXX", "c++")) is None:
-        return False, "no C++ compiler (c++) on PATH"
+        return "no C++ compiler (c++) on PATH"
     # -march=native: a build belongs to this CPU's instruction set as much as to the source and torch
     tag = f"{torch.__version__} {_cpu_flags()} {_CFLAGS}"
     key = hashlib.sha256(SOURCE.read_bytes() + tag.encode()).hexdigest()[:16]
@@ -67,8 +67,8 @@ def _build() -> tuple[bool, str | None]:
             extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except (RuntimeError, OSError, ImportError) as e:  # a failed compile must never take the server down: fall back
         lines = str(e).strip().splitlines() or [type(e).__name__]
-        return False, "build failed: " + next((line for line in lines if "error" in line), lines[-1])
-    return True, None
+        return "build failed: " + next((line for line in lines if "error" in line), lines[-1])
+    return None
 
 
 def _cpu_flags() -> str:

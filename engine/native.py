@@ -183,42 +183,40 @@ class NativeLlama:
         x = F.embedding(tokens, self.embed)  # [T, H]
         cos, sin = self.rotary(x, plan.positions[None])
         attend = Attend(plan, self.n_kv, self.n_heads // self.n_kv, self.windows, x.device, self.fused)
-        step = self._fused_layer if self.fused else self._eager_layer
         rope = (cos[0], sin[0]) if self.fused else _eager_rope(cos, sin, self.head_dim)
         for layer, pools in zip(self.layers, cache.layers):
             if not pools.is_initialized:  # the pools take their shape from the first K/V they see
                 kv = x.new_zeros(1, self.n_kv, 1, self.head_dim)
                 pools.lazy_initialization(kv, kv)
-            x = step(layer, x, pools, rope, plan.kv_cells, attend)
+            x = self._layer(layer, x, pools, rope, plan.kv_cells, attend)
         x = self._norm(x.index_select(0, rows), self.norm, self.norm_eps)
         return self.head(x).float()
 
-    def _fused_layer(self, layer: _Layer, x, pools, rope, cells, attend) -> torch.Tensor:
-        ops = torch.ops.cellserve
-        qkv = layer.qkv(ops.rms_norm(x, layer.ln1, layer.eps1))
-        q = ops.rope_store(qkv, *rope, pools.keys, pools.values, cells, self.n_heads, self.n_kv)
+    def _layer(self, layer: _Layer, x, pools, rope, cells, attend) -> torch.Tensor:
+        qkv = layer.qkv(self._norm(x, layer.ln1, layer.eps1))
+        q = self._rope_store(qkv, rope, pools, cells)
         x = layer.o.plus(attend(q, pools.keys, pools.values, layer.scale, layer.window), x)
-        h = ops.rms_norm(x, layer.ln2, layer.eps2)
-        return layer.down.plus(layer.up.times(h, layer.gate.silu(h)), x)
-
-    def _eager_layer(self, layer: _Layer, x, pools, rope, cells, attend) -> torch.Tensor:
-        n_tok, n_q, n_kv, head_dim = x.shape[0], self.n_heads, self.n_kv, self.head_dim
-        cos, sin = rope
-        qkv = layer.qkv(F.rms_norm(x, (x.shape[-1],), layer.ln1, layer.eps1))
-        qk = qkv[:, : (n_q + n_kv) * head_dim].view(n_tok, n_q + n_kv, head_dim)
-        qk = torch.addcmul(qk * cos, qk.roll(head_dim // 2, -1), sin)  # RoPE on Q and K at once
-        q, k = qk[:, :n_q], qk[:, n_q:]
-        v = qkv[:, (n_q + n_kv) * head_dim :].view(n_tok, n_kv, head_dim)
-        pools.keys.index_copy_(2, cells, k.transpose(0, 1)[None])
-        pools.values.index_copy_(2, cells, v.transpose(0, 1)[None])
-        x = layer.o.plus(attend(q, pools.keys, pools.values, layer.scale, layer.window), x)
-        h = F.rms_norm(x, (x.shape[-1],), layer.ln2, layer.eps2)
+        h = self._norm(x, layer.ln2, layer.eps2)
         return layer.down.plus(layer.up.times(h, layer.gate.silu(h)), x)
 
     def _norm(self, x, weight, eps) -> torch.Tensor:
         if self.fused:
-            return torch.ops.cellserve.rms_norm(x.contiguous(), weight, eps)
+            return torch.ops.cellserve.rms_norm(x, weight, eps)
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+    def _rope_store(self, qkv, rope, pools, cells) -> torch.Tensor:
+        """RoPE on Q and K, K and V written into their cells; returns Q `[T, Hq, D]`."""
+        n_q, n_kv = self.n_heads, self.n_kv
+        if self.fused:
+            return torch.ops.cellserve.rope_store(qkv, *rope, pools.keys, pools.values, cells, n_q, n_kv)
+        n_tok, head_dim = qkv.shape[0], self.head_dim
+        cos, sin = rope
+        qk = qkv[:, : (n_q + n_kv) * head_dim].view(n_tok, n_q + n_kv, head_dim)
+        qk = torch.addcmul(qk * cos, qk.roll(head_dim // 2, -1), sin)  # RoPE on Q and K at once
+        v = qkv[:, (n_q + n_kv) * head_dim :].view(n_tok, n_kv, head_dim)
+        pools.keys.index_copy_(2, cells, qk[:, n_q:].transpose(0, 1)[None])
+        pools.values.index_copy_(2, cells, v.transpose(0, 1)[None])
+        return qk[:, :n_q]
 
 
 def _eager_rope(cos: torch.Tensor, sin: torch.Tensor, head_dim: int):

@@ -1,16 +1,19 @@
 """How the native forward's queries read the cell pools, decided once a step for every layer.
 
-Steps of one-row (decoding) queries, with the fused kernels (`engine/kernels.py`): `cells`, each
-row reads its own visible cells in place from the pools (`torch.ops.cellserve.cell_attention`, no
-copy). Without them: `gather`, row i copies its own visible cells out of the pool (`cells` [T*L]
-pool indices) and attends with an additive `bias` [Hkv*T, G, L]; or `dense` (one row, or rows that
-each see most of the window), every row reads the step's window (`cells` [C] or the prefix
-[0, read_len)) with `bias` [1, T*G, C]. Steps with a prefill chunk: `split`, each chunk reads only the
-cells its own rows can see, through torch's tiled sdpa kernel with a bool mask, and the step's
-one-row queries are one `cells` or `gather` part. A chunk reading the whole step window would cost
-its rows x every cell of every sequence in the step (with 32 1,000-token conversations, 32x the
-attention work of reading its own history), and gathering per row would copy its history once
-per row.
+A step is one or more parts, each a set of query rows and the pool cells they read:
+- `cells` (with the fused kernels, `engine/kernels.py`): each one-row (decoding) query reads its own
+  visible cells in place from the pools (`torch.ops.cellserve.cell_attention`, no copy);
+- `gather` (without them): each one-row query copies its own visible cells out of the pools and
+  attends by batched matmuls with an additive bias `[Hkv*t, G, L]`;
+- `dense` (without them; one row, or rows that each see most of the window): every row reads the
+  step's window (`cells` [C] or the prefix [0, read_len)) with a bias `[1, T*G, C]`;
+- `sdpa`: one prefill chunk (a sequence bringing several rows) reads only the cells its own rows can
+  see, through torch's tiled sdpa kernel with a bool mask. Reading the whole step window instead
+  would cost its rows x every cell of every sequence in the step (with 32 1,000-token conversations,
+  32x the attention work of reading its own history), and gathering per row would copy its history
+  once per row.
+A step without a prefill chunk is one part (mode `cells`, `gather` or `dense`); a step with one is
+mode `split`: one `sdpa` part per chunk and one `cells` or `gather` part for all one-row queries.
 """
 
 from dataclasses import dataclass
@@ -19,8 +22,20 @@ from itertools import pairwise
 import torch
 import torch.nn.functional as F
 
-from engine.attention import gather_rows, row_gather_for, windowed
+from engine.attention import RowGather, gather_rows, row_gather_for, windowed
 from engine.cells import StepPlan
+
+
+@dataclass
+class _Part:
+    """Some rows of a step, the pool cells they read (None: the prefix [0, read_len)) and their mask
+    per attention window, in the form `kind` needs (see the module docstring)."""
+
+    kind: str
+    rows: slice | torch.Tensor
+    cells: torch.Tensor | None
+    masks: dict
+    width: int | None = None  # gather: cells per row
 
 
 class Attend:
@@ -28,60 +43,51 @@ class Attend:
 
     def __init__(self, plan: StepPlan, n_kv: int, group: int, windows, device, fused: bool = False):
         n_tok = plan.visible.shape[0]
-        self.n_tok, self.n_kv, self.group = n_tok, n_kv, group
+        self.n_tok, self.n_kv, self.group, self.read_len = n_tok, n_kv, group, plan.read_len
         ids = plan.seq_ids
         bounds = [0, *((ids[1:] != ids[:-1]).nonzero().flatten() + 1).tolist(), n_tok]
-        rows = None
+        seen = {w: windowed(plan, w) for w in windows}  # [T, C] visibility per attention window
         if len(bounds) - 1 < n_tok:  # some sequence brings several rows: a prefill chunk
             self.mode = "split"
-        elif fused:
-            self.mode = "cells"
-        else:
-            rows = row_gather_for(plan, max_tokens=None)
-            self.mode = "dense" if rows is None else "gather"
-        self.read_len = plan.read_len
-        self.bias: dict[int | None, torch.Tensor] = {}
-        seen = {w: windowed(plan, w) for w in windows}  # [T, C] visibility per attention window
-        if self.mode == "split":
             self.parts = _split_parts(plan, seen, bounds, n_kv, group, device, fused)
-        elif self.mode == "cells":
-            self.cells, self.bias = _cell_part(plan, seen, slice(None), device)
-        elif self.mode == "gather":
-            self.cells, self.width, self.bias = _gather_part(plan, seen, rows, slice(None), n_kv, group, device)
+            return
+        everyone = slice(None)
+        gather = None if fused else row_gather_for(plan, max_tokens=None)
+        if fused:
+            part = _cell_part(plan, seen, everyone, device)
+        elif gather is not None:
+            part = _gather_part(plan, seen, gather, everyone, n_kv, group, device)
         else:
-            self.cells = None if plan.read_idx is None else plan.read_idx
-            for w, mask in seen.items():
-                self.bias[w] = _additive(mask).repeat_interleave(group, 0)[None].to(device)
-
-    def read(self, pool: torch.Tensor, cells: torch.Tensor | None) -> torch.Tensor:
-        """The K or V rows read, `[Hkv, T*L or C, D]`."""
-        if cells is None:
-            return pool[0, :, : self.read_len]
-        return pool[0].index_select(1, cells)
+            masks = {w: _additive(m).repeat_interleave(group, 0)[None].to(device) for w, m in seen.items()}
+            part = _Part("dense", everyone, plan.read_idx, masks)
+        self.mode, self.parts = part.kind, [part]
 
     def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window) -> torch.Tensor:
         """q `[T, Hq, D]` -> attention output `[T, Hq*D]`."""
-        if self.mode == "cells":
-            return torch.ops.cellserve.cell_attention(q, keys, values, self.cells, self.bias[window], scale)
-        if self.mode != "split":
-            width = self.width if self.mode == "gather" else None
-            return self._bmm(q, self.read(keys, self.cells), self.read(values, self.cells), self.bias[window],
-                             scale, width)
+        if self.mode != "split":  # one part, every row
+            return self._run(self.parts[0], q, keys, values, scale, window)
         out = q.new_empty(self.n_tok, q.shape[1] * q.shape[2])
         for part in self.parts:
-            if part.width == "cells":
-                out[part.rows] = torch.ops.cellserve.cell_attention(
-                    q[part.rows], keys, values, part.cells, part.masks[window], scale)
-                continue
-            k, v = self.read(keys, part.cells), self.read(values, part.cells)
-            if part.width is not None:
-                out[part.rows] = self._bmm(q[part.rows], k, v, part.masks[window], scale, part.width)
-            else:
-                o = F.scaled_dot_product_attention(q[part.rows].transpose(0, 1)[None], k[None], v[None],
-                                                   attn_mask=part.masks[window], scale=scale,
-                                                   enable_gqa=self.group > 1)
-                out[part.rows] = o[0].transpose(0, 1).reshape(o.shape[2], -1)
+            out[part.rows] = self._run(part, q[part.rows], keys, values, scale, window)
         return out
+
+    def _run(self, part: _Part, q, keys, values, scale, window) -> torch.Tensor:
+        """One part's rows of q `[t, Hq, D]` -> `[t, Hq*D]`."""
+        mask = part.masks[window]
+        if part.kind == "cells":
+            return torch.ops.cellserve.cell_attention(q.contiguous(), keys, values, part.cells, mask, scale)
+        k, v = self._read(keys, part.cells), self._read(values, part.cells)
+        if part.kind == "sdpa":
+            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
+                                               scale=scale, enable_gqa=self.group > 1)
+            return o[0].transpose(0, 1).reshape(o.shape[2], -1)
+        return self._bmm(q, k, v, mask, scale, part.width)
+
+    def _read(self, pool: torch.Tensor, cells: torch.Tensor | None) -> torch.Tensor:
+        """The K or V rows read, `[Hkv, t*L or C, D]`."""
+        if cells is None:
+            return pool[0, :, : self.read_len]
+        return pool[0].index_select(1, cells)
 
     def _bmm(self, q, k, v, bias, scale, width):
         """Scores, softmax and values by batched matmuls: per row over `width` gathered cells, or every
@@ -105,18 +111,6 @@ class Attend:
         return out.view(n_kv, n_tok, group, head_dim).transpose(0, 1).reshape(n_tok, -1).to(dtype)
 
 
-@dataclass
-class _Part:
-    """Some rows of a `split` step: the pool cells they read and their mask per window (`width` an
-    int: a gather part with additive biases; "cells": the fused kernel's [t, L] cells and biases;
-    None: one chunk's bool mask for sdpa)."""
-
-    rows: slice | torch.Tensor
-    cells: torch.Tensor
-    masks: dict
-    width: int | str | None = None
-
-
 def _split_parts(plan: StepPlan, seen: dict, bounds: list[int], n_kv: int, group: int, device,
                  fused: bool) -> list[_Part]:
     """One sdpa part per multi-row chunk (rows `bounds[i]:bounds[i+1]`), one part for all one-row ones."""
@@ -129,36 +123,35 @@ def _split_parts(plan: StepPlan, seen: dict, bounds: list[int], n_kv: int, group
         cols = plan.visible[a:b].any(0).nonzero().flatten()
         cells = cols if read_idx is None else read_idx[cols]
         masks = {w: mask[a:b, cols][None, None].to(device) for w, mask in seen.items()}
-        parts.append(_Part(slice(a, b), cells.to(device), masks))
+        parts.append(_Part("sdpa", slice(a, b), cells.to(device), masks))
     if singles:
         rows = torch.tensor(singles)
-        if fused:
-            cells, bias = _cell_part(plan, seen, rows, device)
-            parts.append(_Part(rows.to(device), cells, bias, "cells"))
-        else:
-            cells, width, bias = _gather_part(plan, seen, gather_rows(plan.visible[rows]), rows, n_kv, group, device)
-            parts.append(_Part(rows.to(device), cells, bias, width))
+        part = (_cell_part(plan, seen, rows, device) if fused else
+                _gather_part(plan, seen, gather_rows(plan.visible[rows]), rows, n_kv, group, device))
+        part.rows = rows.to(device)
+        parts.append(part)
     return parts
 
 
-def _cell_part(plan: StepPlan, seen: dict, rows, device):
-    """Pool cells `[t, L]` each of the given one-row queries reads, and additive biases `[t, L]` per window."""
-    gather = gather_rows(plan.visible[rows])
+def _row_cells(plan: StepPlan, seen: dict, gather: RowGather, rows):
+    """The pool cells `[t, L]` the given one-row queries read (padded) and their biases `[t, L]` per window."""
     idx = gather.idx if plan.read_idx is None else plan.read_idx.cpu()[gather.idx]
-    bias = {w: _additive(torch.gather(mask[rows], 1, gather.idx) & gather.valid).to(device) for w, mask in seen.items()}
-    return idx.to(device), bias
+    return idx, {w: _additive(torch.gather(mask[rows], 1, gather.idx) & gather.valid) for w, mask in seen.items()}
 
 
-def _gather_part(plan: StepPlan, seen: dict, gather, rows, n_kv: int, group: int, device):
-    """Pool indices `[t*L]`, width L and additive biases `[Hkv*t, G, L]` per window of gathered rows."""
-    idx = gather.idx if plan.read_idx is None else plan.read_idx.cpu()[gather.idx]
+def _cell_part(plan: StepPlan, seen: dict, rows, device) -> _Part:
+    """The fused kernel's part: cells `[t, L]` read in place, biases `[t, L]`."""
+    idx, bias = _row_cells(plan, seen, gather_rows(plan.visible[rows]), rows)
+    return _Part("cells", rows, idx.to(device), {w: b.to(device) for w, b in bias.items()})
+
+
+def _gather_part(plan: StepPlan, seen: dict, gather: RowGather, rows, n_kv: int, group: int, device) -> _Part:
+    """The eager part: cells `[t*L]` copied out, biases expanded to `[Hkv*t, G, L]` for the bmm."""
+    idx, bias = _row_cells(plan, seen, gather, rows)
     n_tok, width = idx.shape
-    bias = {}
-    for w, mask in seen.items():
-        visible = torch.gather(mask[rows], 1, gather.idx) & gather.valid
-        bias[w] = _additive(visible)[None, :, None, :].expand(
-            n_kv, n_tok, group, width).reshape(n_kv * n_tok, group, width).to(device)
-    return idx.reshape(-1).to(device), width, bias
+    masks = {w: b[None, :, None, :].expand(n_kv, n_tok, group, width).reshape(n_kv * n_tok, group, width).to(device)
+             for w, b in bias.items()}
+    return _Part("gather", rows, idx.reshape(-1).to(device), masks, width)
 
 
 def _softmax_scores(q, k, bias, scale):

@@ -200,6 +200,8 @@ void attention_kernel(const T* q, const T* kp, const T* vp, const int64_t* idx, 
           for (int64_t g = 0; g < group; ++g) scores[g * width + l] = neg_inf;
           continue;
         }
+        // checked where read (masked entries are never read): no extra pass over idx every layer
+        TORCH_CHECK(cols[l] >= 0 && cols[l] < n_cells, "cell_attention: cell index out of range");
         const T* kr = kp + (h * n_cells + cols[l]) * dim;
         if (l + kAhead < width) prefetch_row(kp + (h * n_cells + cols[l + kAhead]) * dim, dim);
         for (int64_t g = 0; g < group; ++g) {
@@ -253,8 +255,6 @@ at::Tensor cell_attention(const at::Tensor& q, const at::Tensor& k_pool, const a
   TORCH_CHECK(bias.sizes() == idx.sizes() && bias.scalar_type() == at::kFloat && bias.is_contiguous(),
               "cell_attention: bias must be a contiguous float32 tensor shaped like idx");
   const int64_t* cols = idx.data_ptr<int64_t>();
-  for (int64_t i = 0; i < idx.numel(); ++i)
-    TORCH_CHECK(cols[i] >= 0 && cols[i] < n_cells, "cell_attention: cell index out of range");
   auto out = at::empty({n_tok, n_q * dim}, q.options());
   dispatch(q.scalar_type(), "cell_attention", [&](auto tag) {
     using scalar_t = decltype(tag);

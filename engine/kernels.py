@@ -1,4 +1,4 @@
-"""The native forward's fused CPU kernels (`engine/csrc/cell_kernels.cpp`): built once, or not at all.
+"""The native forward's fused CPU kernels (`engine/csrc/*.cpp`): built once, or not at all.
 
 `load()` compiles the kernels with torch's `cpp_extension` the first time any process asks (~15 s on
 2 cores; `make` does it at install) and caches the build under `~/.cache/cellserve/kernels/`, keyed by
@@ -20,7 +20,7 @@ import torch
 
 log = logging.getLogger("cellserve.kernels")
 
-SOURCE = Path(__file__).parent / "csrc" / "cell_kernels.cpp"
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("cell_kernels.cpp", "small_linear.cpp"))
 # -fopenmp: at::parallel_for is inline and runs serially without it; the .so then links libgomp.so.1,
 # which resolves to the copy torch has already loaded (same soname), so there is one OpenMP runtime.
 # -fno-math-errno lets the softmax's exp vectorize.
@@ -58,12 +58,12 @@ def _build() -> str | None:
         return "no C++ compiler (c++) on PATH"
     # -march=native: a build belongs to this CPU's instruction set as much as to the source and torch
     tag = f"{torch.__version__} {_cpu_flags()} {_CFLAGS}"
-    key = hashlib.sha256(SOURCE.read_bytes() + tag.encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + tag.encode()).hexdigest()[:16]
     build_dir = Path(os.environ.get("CELLSERVE_KERNEL_CACHE", Path.home() / ".cache" / "cellserve" / "kernels")) / key
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         cpp_extension.load(
-            name="cellserve_kernels", sources=[str(SOURCE)], build_directory=str(build_dir),
+            name="cellserve_kernels", sources=[str(s) for s in SOURCES], build_directory=str(build_dir),
             extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except (RuntimeError, OSError, ImportError) as e:  # a failed compile must never take the server down: fall back
         lines = str(e).strip().splitlines() or [type(e).__name__]

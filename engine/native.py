@@ -53,11 +53,15 @@ class Linear:
 
     oneDNN's packed linear reads the weight in its preferred blocked layout (no per-call reorder)
     and fuses SiLU / a product / a sum into the same pass over the output; without oneDNN support
-    for the dtype it is `F.linear` plus the same epilogue in eager ops (same result).
+    for the dtype it is `F.linear` plus the same epilogue in eager ops (same result). With `small`
+    on (the fused kernels loaded, `NativeLlama.fused`), one-row calls (a decode step of one sequence)
+    go to `torch.ops.cellserve.small_linear` instead, which streams `parts` (the model's own weights,
+    read in place) once at about twice oneDNN's speed at one row (engine/csrc/small_linear.cpp).
     """
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None, gemv: bool = False):
-        w = weight.detach().contiguous()
+    def __init__(self, weights: list[torch.Tensor], bias: torch.Tensor | None = None, gemv: bool = False):
+        self.parts = [w.detach().contiguous() for w in weights]
+        w = self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
         self.bias = None if bias is None else bias.detach().contiguous()
         self.packed = _pack(w)
         # The packed copy replaces the weight, unless one-row calls read it as a GEMV (the LM head:
@@ -65,8 +69,16 @@ class Linear:
         # M=1, on AVX512-BF16 in bf16 about half as fast as the packed kernel: timed once, here).
         self.gemv = gemv and (self.packed is None or _gemv_faster(w, self.packed))
         self.weight = w if self.packed is None or self.gemv else None
+        self.small = False
+
+    def is_small(self, x: torch.Tensor) -> bool:
+        """Whether this call goes to the small-row kernel (measured faster at one row only: at 2-4
+        rows it ties oneDNN on MLP weights and loses on the LM head)."""
+        return self.small and x.shape[0] == 1
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        if self.is_small(x):
+            return torch.ops.cellserve.small_linear(x, self.parts, self.bias, None, "none")
         if self.gemv and x.shape[0] == 1 and self.bias is None:
             return torch.mm(self.weight, x.t()).t()
         if self.packed is not None:
@@ -86,6 +98,8 @@ class Linear:
 
     def plus(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """`other + linear(x)` (the residual add)."""
+        if self.is_small(x):
+            return torch.ops.cellserve.small_linear(x, self.parts, self.bias, other, "add")
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "add")
         return F.linear(x, self.weight, self.bias).add_(other)
@@ -122,11 +136,17 @@ def _pack(w: torch.Tensor) -> torch.Tensor | None:
         return None
 
 
-def _cat_linear(*mods) -> Linear:
-    biases = [m.bias for m in mods]
-    bias = None if all(b is None for b in biases) else torch.cat(
-        [b if b is not None else torch.zeros(m.out_features, dtype=m.weight.dtype) for b, m in zip(biases, mods)])
-    return Linear(torch.cat([m.weight for m in mods]), bias)
+def _cat_bias(*mods) -> torch.Tensor | None:
+    """The biases of linears whose outputs are concatenated (zeros for those without), or None."""
+    if all(m.bias is None for m in mods):
+        return None
+    return torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features, dtype=m.weight.dtype)
+                      for m in mods])
+
+
+def _linear(*mods, gemv: bool = False) -> Linear:
+    """One `Linear` computing the concatenated outputs of the given `nn.Linear`s."""
+    return Linear([m.weight for m in mods], _cat_bias(*mods), gemv)
 
 
 class _Layer:
@@ -136,13 +156,23 @@ class _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         self.ln1, self.eps1 = layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon
         self.ln2, self.eps2 = layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon
-        self.qkv = _cat_linear(attn.q_proj, attn.k_proj, attn.v_proj)
-        self.o = Linear(attn.o_proj.weight, attn.o_proj.bias)
-        self.gate = Linear(mlp.gate_proj.weight, mlp.gate_proj.bias)
-        self.up = Linear(mlp.up_proj.weight, mlp.up_proj.bias)
-        self.down = Linear(mlp.down_proj.weight, mlp.down_proj.bias)
+        self.qkv = _linear(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.o = _linear(attn.o_proj)
+        self.gate, self.up = _linear(mlp.gate_proj), _linear(mlp.up_proj)
+        self.gate_up_bias = _cat_bias(mlp.gate_proj, mlp.up_proj)
+        self.down = _linear(mlp.down_proj)
         self.scale = attn.scaling
         self.window = window
+
+    def linears(self) -> list[Linear]:
+        return [self.qkv, self.o, self.gate, self.up, self.down]
+
+    def swiglu(self, h: torch.Tensor) -> torch.Tensor:
+        """`silu(gate(h)) * up(h)`: one small-row kernel call at one row, else two fused oneDNN calls."""
+        if self.gate.is_small(h):
+            return torch.ops.cellserve.small_linear(h, [*self.gate.parts, *self.up.parts], self.gate_up_bias,
+                                                    None, "swiglu")
+        return self.up.times(h, self.gate.silu(h))
 
 
 class NativeLlama:
@@ -168,7 +198,7 @@ class NativeLlama:
         self.windows = sorted(set(windows), key=lambda w: -1 if w is None else w)
         self.embed = base.embed_tokens.weight.detach()
         self.norm, self.norm_eps = base.norm.weight.detach(), base.norm.variance_epsilon
-        self.head = Linear(model.lm_head.weight, gemv=True)
+        self.head = _linear(model.lm_head, gemv=True)
         self.rotary = base.rotary_emb
         attn = base.layers[0].self_attn
         self.head_dim = attn.head_dim
@@ -177,6 +207,17 @@ class NativeLlama:
         self.dtype = model.dtype
         # the fused kernels when they load (fp32 and bf16); tests flip this to check both paths agree
         self.fused = self.dtype in (torch.float32, torch.bfloat16) and kernels.load()
+
+    @property
+    def fused(self) -> bool:
+        return self._fused
+
+    @fused.setter
+    def fused(self, on: bool) -> None:
+        self._fused = on
+        small = on and torch.ops.cellserve.small_linear_fast(str(self.dtype).removeprefix("torch."))
+        for linear in [self.head, *(lin for layer in self.layers for lin in layer.linears())]:
+            linear.small = small
 
     def forward(self, cache: CellCache, tokens: torch.Tensor, plan: StepPlan, rows: torch.Tensor) -> torch.Tensor:
         """Logits `[len(rows), vocab]` (fp32) of the given rows of this planned step."""
@@ -197,7 +238,7 @@ class NativeLlama:
         q = self._rope_store(qkv, rope, pools, cells)
         x = layer.o.plus(attend(q, pools.keys, pools.values, layer.scale, layer.window), x)
         h = self._norm(x, layer.ln2, layer.eps2)
-        return layer.down.plus(layer.up.times(h, layer.gate.silu(h)), x)
+        return layer.down.plus(layer.swiglu(h), x)
 
     def _norm(self, x, weight, eps) -> torch.Tensor:
         if self.fused:

@@ -1,4 +1,4 @@
-"""The fused CPU kernels (engine/csrc/cell_kernels.cpp) against the eager ops they replace.
+"""The fused CPU kernels (engine/csrc/*.cpp) against the eager ops they replace.
 
 fp32 must agree to float rounding; bf16 rounds once where the eager ops round several times, so it
 is held to bf16's own resolution. The build's fallback (no kernels: eager ops) is checked too.
@@ -97,13 +97,51 @@ def test_bad_inputs_are_refused_with_a_reason():
                                        torch.randn(1, 16, dtype=torch.bfloat16), pools, pools, torch.tensor([0]), 4, 2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 2, 4])
+@pytest.mark.parametrize("k", [64, 72])  # 72: the scalar tail after the vector loop
+def test_small_linear_matches_linear(dtype, rows, k):
+    torch.manual_seed(0)
+    small = torch.ops.cellserve.small_linear
+    x = torch.randn(rows, k, dtype=dtype)
+    q, kk, v = (torch.randn(n, k, dtype=dtype) * 0.2 for n in (48, 16, 16))
+    bias = torch.randn(80, dtype=dtype)
+    ref = F.linear(x.float(), torch.cat([q, kk, v]).float(), bias.float())
+    tol = {"atol": TOL[dtype], "rtol": TOL[dtype]}
+    torch.testing.assert_close(small(x, [q, kk, v], bias, None, "none").float(), ref, **tol)
+    torch.testing.assert_close(small(x, [q], None, None, "none").float(), x.float() @ q.float().T, **tol)
+    other = torch.randn(rows, 48, dtype=dtype)
+    torch.testing.assert_close(small(x, [q], None, other, "add").float(), other.float() + x.float() @ q.float().T, **tol)
+    gate, up = torch.randn(40, k, dtype=dtype) * 0.2, torch.randn(40, k, dtype=dtype) * 0.2
+    gu_bias = torch.randn(80, dtype=dtype)
+    swiglu = F.silu(F.linear(x.float(), gate.float(), gu_bias[:40].float())) * F.linear(x.float(), up.float(), gu_bias[40:].float())
+    torch.testing.assert_close(small(x, [gate, up], gu_bias, None, "swiglu").float(), swiglu, **tol)
+
+
+def test_small_linear_refuses_bad_inputs_with_a_reason():
+    small = torch.ops.cellserve.small_linear
+    x, w = torch.randn(1, 8), torch.randn(4, 8)
+    with pytest.raises(RuntimeError, match="1 to 4 rows"):
+        small(torch.randn(5, 8), [w], None, None, "none")
+    with pytest.raises(RuntimeError, match="x's dtype and K"):
+        small(x, [torch.randn(4, 9)], None, None, "none")
+    with pytest.raises(RuntimeError, match="op must be"):
+        small(x, [w], None, None, "gelu")
+    with pytest.raises(RuntimeError, match="needs `other`"):
+        small(x, [w], None, None, "add")
+    with pytest.raises(RuntimeError, match="exactly \\[gate, up\\]"):
+        small(x, [w], None, None, "swiglu")
+    with pytest.raises(RuntimeError, match="one value per weight row"):
+        small(x, [w], torch.randn(3), None, "none")
+
+
 def test_without_kernels_the_native_forward_falls_back(tmp_path):
     """CELLSERVE_KERNELS=0, or a source that does not compile, leaves load() False with the reason."""
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
     code = (
         "import sys; from pathlib import Path; from engine import kernels\n"
-        "if sys.argv[1] == 'broken': kernels.SOURCE = Path(sys.argv[2])\n"
+        "if sys.argv[1] == 'broken': kernels.SOURCES = (Path(sys.argv[2]),)\n"
         "print(kernels.load(), kernels.why_not())\n"
     )
     env_off = {"CELLSERVE_KERNELS": "0"}

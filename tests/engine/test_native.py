@@ -111,10 +111,28 @@ def test_linear_fallback_matches_packed():
     torch.manual_seed(0)
     w, b = torch.randn(24, 16), torch.randn(24)
     x, other = torch.randn(3, 16), torch.randn(3, 24)
-    packed = native_mod.Linear(w, b)
-    plain = native_mod.Linear(w, b)
+    packed = native_mod.Linear([w], b)
+    plain = native_mod.Linear([w], b)
     plain.packed, plain.weight = None, w
     for fn in ("__call__", "silu"):
         torch.testing.assert_close(getattr(packed, fn)(x), getattr(plain, fn)(x), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(packed.times(x, other), plain.times(x, other), atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(packed.plus(x, other), plain.plus(x, other), atol=1e-5, rtol=1e-5)
+
+
+def test_linear_small_rows_match_packed():
+    """With the small-row kernel on, one-row calls (and only those) take it, with the same results;
+    the Q|K|V linear reads its three weights in place and concatenates their outputs."""
+    assert kernels.load(), kernels.why_not()
+    torch.manual_seed(0)
+    parts, b = [torch.randn(24, 40), torch.randn(8, 40), torch.randn(8, 40)], torch.randn(40)
+    ref = native_mod.Linear(parts, b)
+    small = native_mod.Linear(parts, b)
+    small.small = True
+    assert all(p.data_ptr() == q.data_ptr() for p, q in zip(parts, small.parts)), "weights must be read in place"
+    one, three = torch.randn(1, 40), torch.randn(3, 40)
+    assert small.is_small(one) and not small.is_small(three)
+    torch.testing.assert_close(small(one), ref(one), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(small(three), ref(three), atol=1e-5, rtol=1e-5)
+    other = torch.randn(1, 40)
+    torch.testing.assert_close(small.plus(one, other), ref.plus(one, other), atol=1e-5, rtol=1e-5)

@@ -69,8 +69,8 @@ class Scheduler:
     cells always hold a slot, and slots are handed out lowest first.
     """
 
-    def __init__(self, cache: CellCache, max_num_seqs: int, max_num_batched_tokens: int,
-                 prefix_caching: bool = True, prefill_while_decoding: int = 32, prefill_backlog_ticks: int = 16):
+    def __init__(self, cache: CellCache, max_num_seqs: int, max_num_batched_tokens: int, *,
+                 prefix_caching: bool, prefill_while_decoding: int, prefill_backlog_ticks: int):
         self.cache = cache
         self.prefix_caching = prefix_caching
         self.prefix = PrefixIndex()
@@ -83,6 +83,7 @@ class Scheduler:
         # Long prompts would starve under that cap alone (a 1,000-token prompt behind 32 tokens a tick
         # waits 30+ ticks, and every prompt queued behind it longer), so the cap also grows with the
         # backlog: whatever is waiting to be prefilled drains within about `prefill_backlog_ticks` ticks.
+        # (both, like every limit here, come from EngineArgs: their one source and their defaults)
         self.prefill_while_decoding = prefill_while_decoding
         self.prefill_backlog_ticks = prefill_backlog_ticks
         self.waiting: deque[Sequence] = deque()

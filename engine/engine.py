@@ -17,7 +17,6 @@ from engine.admission import Admission
 from engine.args import EngineArgs
 from engine.detok import IncrementalDetokenizer
 from engine.errors import InvalidRequest, SequenceBusy
-from engine.ids import new_id
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, PromptLogprobs, RequestOutput, SequenceInfo, TokenLogprob
 from engine.persistent import SequenceTable
@@ -27,7 +26,7 @@ from engine.runner import ModelRunner
 from engine.sampling import Sampler, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Chunk, Scheduler
-from engine.sequence import Request, Sequence
+from engine.sequence import Request, Sequence, new_id
 from engine.step import FlatStep, flatten_step
 
 log = logging.getLogger("cellserve.engine")

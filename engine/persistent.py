@@ -9,10 +9,9 @@ verb, because it must first cancel the request running on it.
 import time
 
 from engine.errors import InvalidRequest, SequenceBusy, SequenceNotFound
-from engine.ids import new_id
 from engine.outputs import SequenceInfo
 from engine.scheduler import Scheduler
-from engine.sequence import Sequence
+from engine.sequence import Sequence, new_id
 
 
 class SequenceTable:

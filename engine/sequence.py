@@ -1,26 +1,45 @@
-"""Sequence and Request: what the scheduler moves around.
+"""Sequence and Request: what the scheduler moves around, and the ids they (and the server's requests) carry.
 
 A `Sequence` owns a cell slot while it holds cells, its token ids (the truth) and `n_cached`, how
 many of those tokens have cells. Its cells always hold exactly positions `[0, n_cached)`, so
 dropping them (eviction, preemption) loses nothing: the sequence re-prefills and continues with
 the same output. A `Request` is one generation call: one sequence per choice (`n > 1` forks
 children off the prompt), the sampling params, and where its outputs go.
+
+Ids: `<prefix>-<tag><32 hex>` (a uuid4), one scheme for the engine and the server. Unguessable, so a
+client cannot reach another client's sequence or cancel its request by counting; the prefix says what
+the id names (`cmpl`, `chatcmpl`, `seq`...). The tag is empty unless the process set one: a scale-out
+replica (server/ray_serve) marks every id it makes with itself, so a router can send later requests on
+that id back to the replica that holds it. Torch-free: the server imports `new_id` from here.
 """
 
 import enum
 import time
+import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from engine.outputs import PromptLogprobs, RequestOutput, Timing
 from engine.sampling_params import SamplingParams
 
-if TYPE_CHECKING:  # annotations only: the detokenizer and the grammar load tokenizers / xgrammar
+if TYPE_CHECKING:  # annotations only: torch, the detokenizer and the grammar stay out of the server's imports
+    import torch
+
     from engine.detok import IncrementalDetokenizer
     from engine.grammar import GrammarState
+
+_tag = ""
+
+
+def set_tag(tag: str) -> None:
+    """Put `tag` after the prefix of every id this process makes from now on (one process, one tag)."""
+    global _tag
+    _tag = tag
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{_tag}{uuid.uuid4().hex}"
 
 
 class SeqStatus(enum.Enum):
@@ -43,7 +62,7 @@ class Sequence:
     index: int = 0  # choice index within its request
     gen_start: int = 0  # len(token_ids) when the current request started: output = token_ids[gen_start:]
     params: SamplingParams | None = None  # this choice's params (seed + index for n > 1)
-    generator: torch.Generator | None = None
+    generator: "torch.Generator | None" = None
     finish_reason: str | None = None
     error: str | None = None
     detok: "IncrementalDetokenizer | None" = None  # None: no engine-side text (prefill-only, or decoded off-thread)

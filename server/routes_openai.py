@@ -8,7 +8,7 @@ completions `max_tokens` 16, chat `max_tokens` up to the context that is left.
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from engine.ids import new_id
+from engine.sequence import new_id
 from server.context import ServerContext
 from server.errors import APIError
 from server.generation import GenerationRun

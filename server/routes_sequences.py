@@ -16,7 +16,7 @@ from fastapi import APIRouter, Body, Request
 from fastapi.responses import Response
 
 from engine.errors import EngineError
-from engine.ids import new_id
+from engine.sequence import new_id
 from server.context import ServerContext
 from server.generation import ClientGone, GenerationRun, await_or_disconnect
 from server.params import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params

@@ -22,12 +22,11 @@ from engine.outputs import EngineStats, PromptLogprobs, RequestOutput, SequenceI
 from engine.persistent import SequenceTable
 from engine.prompt_logprobs import ScoredSequence, take_prompt_logprobs
 from engine.prompt_logprobs import prompt_rows as plp_rows
-from engine.runner import ModelRunner
+from engine.runner import FlatStep, ModelRunner, flatten_step
 from engine.sampling import Sampler, make_generator
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Chunk, Scheduler
 from engine.sequence import Request, Sequence, new_id
-from engine.step import FlatStep, flatten_step
 
 log = logging.getLogger("cellserve.engine")
 

@@ -20,10 +20,9 @@ from engine.errors import InvalidRequest, SequenceBusy
 from engine.output_processor import OutputProcessor
 from engine.outputs import EngineStats, PromptLogprobs, RequestOutput, SequenceInfo, TokenLogprob
 from engine.persistent import SequenceTable
-from engine.prompt_logprobs import ScoredSequence, take_prompt_logprobs
-from engine.prompt_logprobs import prompt_rows as plp_rows
 from engine.runner import FlatStep, ModelRunner, flatten_step
-from engine.sampling import Sampler, make_generator
+from engine.sampling import Sampler, ScoredSequence, make_generator, take_prompt_logprobs
+from engine.sampling import prompt_rows as plp_rows
 from engine.sampling_params import SamplingParams
 from engine.scheduler import Chunk, Scheduler
 from engine.sequence import Request, Sequence, new_id

@@ -24,9 +24,9 @@ from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 from engine.args import EngineArgs, build_engine
-from engine.detok import OutputDetokenizer, context_ids
 from engine.engine import Engine
 from engine.errors import EngineUnavailable, RequestNotFound
+from engine.output_processor import OutputDetokenizer, context_ids
 from engine.outputs import CompletionOutput, EngineStats, RequestOutput, SequenceInfo
 from engine.sampling_params import SamplingParams
 

@@ -15,9 +15,8 @@ import torch
 
 from engine.admission import Admission
 from engine.args import EngineArgs
-from engine.detok import IncrementalDetokenizer
 from engine.errors import InvalidRequest, SequenceBusy
-from engine.output_processor import OutputProcessor
+from engine.output_processor import IncrementalDetokenizer, OutputProcessor
 from engine.outputs import EngineStats, PromptLogprobs, RequestOutput, SequenceInfo, TokenLogprob
 from engine.persistent import SequenceTable
 from engine.runner import FlatStep, ModelRunner, flatten_step

@@ -26,8 +26,8 @@ from engine.sampling_params import SamplingParams
 if TYPE_CHECKING:  # annotations only: torch, the detokenizer and the grammar stay out of the server's imports
     import torch
 
-    from engine.detok import IncrementalDetokenizer
     from engine.grammar import GrammarState
+    from engine.output_processor import IncrementalDetokenizer
 
 _tag = ""
 

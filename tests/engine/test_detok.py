@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from engine.detok import IncrementalDetokenizer
+from engine.output_processor import IncrementalDetokenizer
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -4,7 +4,7 @@ The synchronous core. `step()` schedules a flat step (`Scheduler`), runs the mod
 cells (`ModelRunner`), samples every row that needs a token (`Sampler`), and turns the tokens into
 `RequestOutput` deltas for each request's `emit` callback (`OutputProcessor`). Commands (add, fork,
 cancel, delete, truncate) are plain method calls made between steps: admission rules live in
-`engine.admission`, persistent-sequence verbs in `engine.persistent`. `AsyncEngine`
+`engine.sampling_params`, persistent-sequence verbs in `engine.persistent`. `AsyncEngine`
 (engine/async_engine.py) runs this on a thread and queues the commands to the step boundary.
 """
 
@@ -13,7 +13,6 @@ import time
 
 import torch
 
-from engine.admission import Admission
 from engine.args import EngineArgs
 from engine.errors import InvalidRequest, SequenceBusy
 from engine.output_processor import IncrementalDetokenizer, OutputProcessor
@@ -22,7 +21,7 @@ from engine.persistent import SequenceTable
 from engine.runner import FlatStep, ModelRunner, flatten_step
 from engine.sampling import Sampler, ScoredSequence, make_generator, take_prompt_logprobs
 from engine.sampling import prompt_rows as plp_rows
-from engine.sampling_params import SamplingParams
+from engine.sampling_params import Admission, SamplingParams
 from engine.scheduler import Chunk, Scheduler
 from engine.sequence import Request, Sequence, new_id
 

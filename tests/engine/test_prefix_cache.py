@@ -25,8 +25,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from tiny_models import tiny_model
 
-from engine.prefix_cache import PrefixIndex
 from engine.sampling_params import SamplingParams
+from engine.scheduler import PrefixIndex
 from engine.sequence import Sequence
 
 SYSTEM = prompt(40, seed=100)  # a shared "system prompt": 2 full blocks + 8 tokens

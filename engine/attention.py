@@ -7,7 +7,8 @@ Two paths that must agree (tests check they do):
   compacted `read_idx`, built in `CellCache.begin_step`), so cells held by idle sequences, freed
   holes and other conversations' history cost nothing. When each query sees only a small part of
   that window (decoding many sequences: O(B^2 L) dense), each query row instead gathers just its
-  own visible cells (`cell_gather`, registered through transformers' `AttentionInterface`).
+  own visible cells (`cell_gather`, registered through transformers' `AttentionInterface`; the
+  per-row index is `engine.cells.row_gather_for`).
 
 transformers returns an explicit 4D mask untouched, so the mask is the whole integration: bool for
 `sdpa`, additive float for `eager` (a bool mask there is silently wrong), and a dict keyed by layer
@@ -22,7 +23,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from engine.cells import StepPlan
+from engine.cells import RowGather, StepPlan, windowed
 
 ATTENTION_PATHS = ("fast", "reference")
 
@@ -67,12 +68,6 @@ def build_mask(plan: StepPlan, spec: MaskSpec):
     return _finish(windowed(plan, spec.window), spec)
 
 
-def windowed(plan: StepPlan, window: int | None) -> torch.Tensor:
-    if window is None:
-        return plan.visible
-    return plan.visible & (plan.key_pos[None, :] > plan.positions[:, None] - window)
-
-
 def _finish(visible: torch.Tensor, spec: MaskSpec) -> torch.Tensor:
     mask = visible[None, None]
     if not spec.additive:
@@ -83,40 +78,6 @@ def _finish(visible: torch.Tensor, spec: MaskSpec) -> torch.Tensor:
 
 # ----- per-row gather ------------------------------------------------------------------------------
 GATHER = "cell_gather"
-GATHER_MAX_TOKENS = 128  # prefill-heavy steps stay dense: T x L gathered rows would cost more than they save
-
-
-@dataclass
-class RowGather:
-    """For each query row, the read columns it can see (`idx` [T, L], padded; `valid` marks real ones)."""
-
-    idx: torch.Tensor
-    valid: torch.Tensor
-
-
-def row_gather_for(plan: StepPlan, max_tokens: int | None = GATHER_MAX_TOKENS) -> RowGather | None:
-    """The per-row gather index, or None when the dense (compacted) window is as cheap (one row, rows
-    that see most of it, or more than `max_tokens` rows)."""
-    n_tok, n_cols = plan.visible.shape
-    if (max_tokens is not None and n_tok > max_tokens) or n_tok == 1:
-        return None
-    if int(plan.visible.sum(1).max()) * 2 > n_cols:
-        return None
-    return gather_rows(plan.visible)
-
-
-def gather_rows(visible: torch.Tensor) -> RowGather:
-    """Row i's visible columns, left-aligned and padded to the widest row."""
-    counts = visible.sum(1)
-    width = int(counts.max())
-    rows, cols = visible.nonzero(as_tuple=True)
-    rank = visible.cumsum(1)[rows, cols] - 1
-    idx = torch.zeros(visible.shape[0], width, dtype=torch.int64)
-    idx[rows, rank] = cols
-    valid = torch.arange(width)[None, :] < counts[:, None]
-    return RowGather(idx, valid)
-
-
 def cell_gather_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                           cell_rows: RowGather | None = None, **kwargs):
     """Attention where query row i reads only its own visible cells; falls back to sdpa without a plan."""

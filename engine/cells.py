@@ -10,6 +10,8 @@ ExecuTorch `CellReferenceCache`.
 into and reads from the pool: `begin_step` plans a forward (claims cells, computes what each query
 token may see) *before* the model runs, because transformers 5.x gives `update()` no positions.
 Every layer then scatters its K/V into the claimed cells and reads back the read window.
+`row_gather_for`, `gather_rows` and `windowed` read a plan's visibility per query row and per sliding
+window, for both attention paths (transformers' and the native one).
 """
 
 from dataclasses import dataclass
@@ -56,6 +58,48 @@ class StepPlan:
     @property
     def n_tokens(self) -> int:
         return int(self.cells.numel())
+
+
+# ----- what each query row sees (read by both attention paths) ----------------------------------
+GATHER_MAX_TOKENS = 128  # prefill-heavy steps stay dense: T x L gathered rows would cost more than they save
+
+
+@dataclass
+class RowGather:
+    """For each query row, the read columns it can see (`idx` [T, L], padded; `valid` marks real ones)."""
+
+    idx: torch.Tensor
+    valid: torch.Tensor
+
+
+def row_gather_for(plan: StepPlan, max_tokens: int | None = GATHER_MAX_TOKENS) -> RowGather | None:
+    """The per-row gather index, or None when the dense (compacted) window is as cheap (one row, rows
+    that see most of it, or more than `max_tokens` rows)."""
+    n_tok, n_cols = plan.visible.shape
+    if (max_tokens is not None and n_tok > max_tokens) or n_tok == 1:
+        return None
+    if int(plan.visible.sum(1).max()) * 2 > n_cols:
+        return None
+    return gather_rows(plan.visible)
+
+
+def gather_rows(visible: torch.Tensor) -> RowGather:
+    """Row i's visible columns, left-aligned and padded to the widest row."""
+    counts = visible.sum(1)
+    width = int(counts.max())
+    rows, cols = visible.nonzero(as_tuple=True)
+    rank = visible.cumsum(1)[rows, cols] - 1
+    idx = torch.zeros(visible.shape[0], width, dtype=torch.int64)
+    idx[rows, rank] = cols
+    valid = torch.arange(width)[None, :] < counts[:, None]
+    return RowGather(idx, valid)
+
+
+def windowed(plan: StepPlan, window: int | None) -> torch.Tensor:
+    """`plan.visible` narrowed to a sliding window of `window` positions (None: the full visibility)."""
+    if window is None:
+        return plan.visible
+    return plan.visible & (plan.key_pos[None, :] > plan.positions[:, None] - window)
 
 
 class CellLayer(CacheLayerMixin):

@@ -254,7 +254,7 @@ class Engine:
     # ----- admission and reports ---------------------------------------------------------------
     def stats(self) -> EngineStats:
         sched = self.scheduler
-        idle = self.persistent.n_idle()
+        idle = sum(1 for s in self.sequences.values() if s.request is None)  # persistent, not generating
         used = self.cache.used_cells()
         prefix = sched.prefix.stats
         return EngineStats(self.cache.n_cells, used, self.cache.n_cells - used, self.cache.read_len,

@@ -67,6 +67,3 @@ class SequenceTable:
 
     def idle_longer_than(self, ttl_s: float, now: float) -> list[str]:
         return [s.seq_id for s in self.by_id.values() if s.request is None and now - s.last_used > ttl_s]
-
-    def n_idle(self) -> int:
-        return sum(1 for s in self.by_id.values() if s.request is None)

@@ -53,7 +53,7 @@ def check_stop_token(params: SamplingParams, token_id: int, num_generated: int,
     Returns (finish_reason, stop_reason) as in vLLM: ("stop", token_id) for a stop_token_id, ("stop", None)
     for EOS (unless ignore_eos), ("length", None) at max_tokens, else None (keep going). A stop or EOS
     token stays in the output token ids but its text should not be pushed to the detokenizer. Stop
-    *strings* are the detokenizer's job (engine/detok.py).
+    *strings* are the detokenizer's job (engine/output_processor.py).
     """
     if token_id in params.stop_token_ids:
         return "stop", token_id

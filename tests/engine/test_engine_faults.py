@@ -13,7 +13,7 @@ from engine_support import (
 )
 from tiny_models import tiny_model
 
-from engine.native_attention import Attend
+from engine.native import Attend
 from engine.sampling_params import SamplingParams
 
 

@@ -11,7 +11,7 @@ from tiny_models import full_logits, tiny_model
 
 from engine import kernels
 from engine import native as native_mod
-from engine.native_attention import Attend
+from engine.native import Attend
 from engine.runner import ModelRunner
 
 ATOL = 1e-4

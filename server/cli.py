@@ -17,7 +17,7 @@ import threading
 from collections.abc import Callable
 
 from engine.args import EngineArgs
-from server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CHOICES, DEFAULT_MAX_PROMPTS
+from server.context import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CHOICES, DEFAULT_MAX_PROMPTS
 
 log = logging.getLogger("cellserve")
 ENGINE = EngineArgs()  # the engine flags' defaults
@@ -128,7 +128,7 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     from server.app import build_app
-    from server.limits import Limits
+    from server.context import Limits
 
     failed: list[str] = []
     server: uvicorn.Server | None = None

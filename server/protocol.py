@@ -11,36 +11,184 @@ Guarantees:
 - Polymorphic fields (`prompt`, `stop`, message `content`) are checked by hand-written validators
   and normalised to one shape, so routes never re-check them and error locations stay plain field
   paths (no pydantic union tags).
-Responses are plain dicts built in `server.responses`, in OpenAI's exact shapes. The base model lives in
-`server.protocol_base`; structured-output and tool schemas and the refused/ignored field tables in
-`server.protocol_fields`.
+Responses are plain dicts built in `server.serving`, in OpenAI's exact shapes. The base model lives in
+`server.protocol`; structured-output and tool schemas and the refused/ignored field tables in
+`server.protocol`.
 """
 
 import json
 from typing import Any, ClassVar, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.sampling_params import MAX_LOGPROBS, MAX_N, MAX_TEMPERATURE, PENALTY_RANGE, check_logit_bias
-from server.protocol_base import ParamError, StrictModel
-from server.protocol_fields import (
-    CHAT_ONLY,
-    COMPLETIONS_ONLY,
-    GUIDED_BACKENDS,
-    GUIDED_FIELDS,
-    UNSUPPORTED,
-    NamedToolChoice,
-    ResponseFormat,
-    Tool,
-    ToolCall,
-    reject_unsupported,
-    template_arguments,
+from engine.sampling_params import (
+    MAX_LOGPROBS,
+    MAX_N,
+    MAX_TEMPERATURE,
+    PENALTY_RANGE,
+    GuidedDecoding,
+    SamplingParams,
+    check_logit_bias,
 )
+from server.errors import APIError
+
+# --- The base of every request schema: strict types, explicit null = default, text that is valid Unicode,
+# and `ParamError` for cross-field problems that still name their param.
+
+class StrictModel(BaseModel):
+    """Strict types, unknown fields ignored, and an explicit `null` means "use the default" (as OpenAI)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _null_means_default(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            _check_text(data, "")
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class ParamError(ValueError):
+    """A cross-field problem that still names its param (kept by pydantic in the error's ctx)."""
+
+    def __init__(self, param: str, message: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _check_text(value: Any, path: str) -> None:
+    """Every string in the body must be encodable Unicode: JSON allows escapes of lone surrogates
+    (`"\\ud800"`), which no tokenizer can take. Raises naming the field instead of failing later."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ParamError(path or "body", f"contains an unpaired surrogate (U+{ord(value[exc.start]):04X}) at "
+                             f"character {exc.start}, which is not valid Unicode text; send UTF-8 text") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_text(key, path or "body")
+            _check_text(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            _check_text(item, f"{path}[{i}]")
+
+
+# --- The tables of fields this server refuses or ignores, and the schemas of tool calling and
+# structured output (the request models below use them).
+
+# field -> the values that mean "off" (accepted and ignored); any other value is a 400 naming the field.
+UNSUPPORTED: dict[str, tuple] = {
+    "best_of": (1,), "use_beam_search": (False,), "length_penalty": (1, 1.0), "early_stopping": (False,),
+    "min_tokens": (0,), "allowed_token_ids": (), "bad_words": ([],), "include_stop_str_in_output": (False,),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
+    "guided_whitespace_pattern": (), "structural_tag": (), "logits_processors": ([],), "typical_p": (1, 1.0),
+    "top_a": (0, 0.0), "tfs_z": (1, 1.0), "mirostat": (0,), "n_probs": (0,), "grammar": ("",), "json_schema": (),
+    "return_tokens_as_token_ids": (False,), "prompt_logprobs": (), "priority": (0,), "kv_transfer_params": (),
+    "vllm_xargs": (), "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (),
+    "web_search_options": (), "functions": (), "function_call": ("none",), "documents": (), "chat_template": (),
+    "chat_template_kwargs": (), "continue_final_message": (False,), "mm_processor_kwargs": (),
+    "verbosity": (), "bad_words_ids": (), "min_length": (0,), "thinking": (),
+}
+# Fields of one route that another route does not honour (e.g. `tools` sent to /v1/completions).
+CHAT_ONLY: dict[str, tuple] = {"tools": ([],), "tool_choice": ("none",), "max_completion_tokens": (),
+                               "top_logprobs": ()}
+COMPLETIONS_ONLY: dict[str, tuple] = {"echo": (False,), "suffix": ("",)}
+# Accepted and ignored: they change nothing this server computes (listed in the README).
+IGNORED = ("model", "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+           "request_id", "parallel_tool_calls (without tools)")
+GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+GUIDED_BACKENDS = ("xgrammar", "auto")
+
+
+def reject_unsupported(data: dict, unsupported: dict[str, tuple]) -> None:
+    for name, off in unsupported.items():
+        value = data.get(name)
+        if value is None or any(value == v and type(value) is type(v) for v in off):
+            continue
+        raise ParamError(name, f"'{name}' is not supported by this server (got {value!r}); remove it"
+                         + (f" or send {off[0]!r}" if off else ""))
+
+
+class FunctionCall(StrictModel):
+    name: str = Field(min_length=1)
+    arguments: str | dict[str, Any] = "{}"
+
+
+class ToolCall(StrictModel):
+    """An assistant's earlier call, sent back in a follow-up turn (OpenAI's shape)."""
+
+    id: str | None = None
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+def template_arguments(args: str | dict) -> dict | str:
+    if isinstance(args, str):
+        try:
+            parsed = json.loads(args)
+        except ValueError:
+            return args
+        return parsed if isinstance(parsed, dict) else args
+    return args
+
+
+class FunctionDef(StrictModel):
+    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+
+    def as_dict(self) -> dict:
+        out: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            out["description"] = self.description
+        out["parameters"] = self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
+        return out
+
+
+class Tool(StrictModel):
+    type: Literal["function"]
+    function: FunctionDef
+
+
+class NamedFunction(StrictModel):
+    name: str
+
+
+class NamedToolChoice(StrictModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class JsonSchemaFormat(StrictModel):
+    """`response_format.json_schema`: the output must be JSON valid against `schema` (always enforced by
+    the grammar, so `strict` true or false both get schema-valid JSON)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
+    name: str = Field(min_length=1, max_length=256)
+    schema_: dict[str, Any] = Field(alias="schema")
+    strict: bool | None = None
+    description: str | None = None
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_present(self):
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ParamError("response_format", "type json_schema needs a json_schema object: "
+                             "{'name': ..., 'schema': {...}, 'strict': true}")
+        return self
+
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")
 
 
-def _is_token_list(value: Any) -> bool:
+def is_token_list(value: Any) -> bool:
     return isinstance(value, list) and all(type(t) is int and t >= 0 for t in value)
 
 
@@ -53,20 +201,11 @@ def normalize_prompts(value: Any) -> list[str | list[int]]:
         raise ValueError(f"prompt must not be empty; {hint}")
     if all(isinstance(p, str) for p in value):
         return list(value)
-    if _is_token_list(value):
+    if is_token_list(value):
         return [list(value)]
-    if all(_is_token_list(p) and p for p in value):
+    if all(is_token_list(p) and p for p in value):
         return [list(p) for p in value]
     raise ValueError(f"prompt has a wrong shape or a negative/non-integer token id; {hint}")
-
-
-def normalize_single_prompt(value: Any) -> str | list[int] | None:
-    """str | list[int] | None: one prompt (sequences and tokenize take exactly one)."""
-    if value is None or isinstance(value, str):
-        return value
-    if _is_token_list(value) and value:
-        return list(value)
-    raise ValueError("prompt must be a string or a non-empty list of non-negative token ids")
 
 
 class StreamOptions(StrictModel):
@@ -301,76 +440,37 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class _PromptOrMessages(StrictModel):
-    prompt: str | list[int] | None = None
-    messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
+# --- HTTP sampling fields -> the engine's `SamplingParams`, with engine-side validation as 400s.
+#
+# Only fields the client actually set are passed, so the engine's defaults stay the single source of
+# truth (temperature 1.0, top_p 1.0, ...). A `SamplingError` (a ValueError carrying `.param`) from the
+# engine becomes a 400 naming that param, so a range the pydantic schema does not know about is still
+# reported precisely.
 
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _prompt(cls, value: Any) -> str | list[int] | None:
-        return normalize_single_prompt(value)
-
-
-class SequenceCreateRequest(_PromptOrMessages):
-    model: str | None = None
-
-    @model_validator(mode="after")
-    def _exactly_one(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise ParamError("prompt", "give exactly one of prompt or messages")
-        if self.messages is not None and not self.messages:
-            raise ParamError("messages", "messages must not be empty")
-        return self
+COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the context that is left)
+PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids", "presence_penalty",
+               "frequency_penalty", "repetition_penalty")
 
 
-class SequenceCompletionRequest(SamplingFields, _PromptOrMessages):
-    """Append optional text to a sequence, then generate into it (one choice: n must be 1)."""
-
-    unsupported: ClassVar[dict[str, tuple]] = {**UNSUPPORTED, **CHAT_ONLY, **COMPLETIONS_ONLY}
-
-    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-
-    @model_validator(mode="after")
-    def _at_most_one(self):
-        if self.prompt == "":  # the openai SDK always sends a prompt; "" means "append no text"
-            self.prompt = None
-        if self.prompt is not None and self.messages is not None:
-            raise ParamError("prompt", "give at most one of prompt or messages")
-        if self.n != 1:
-            raise ParamError("n", "a sequence generates one continuation at a time; fork it for more (n must be 1)")
-        return self
-
-
-class ForkRequest(StrictModel):
-    at: int | None = Field(None, ge=0)
-
-
-class TruncateRequest(StrictModel):
-    length: int = Field(ge=0)
-
-
-class TokenizeRequest(_PromptOrMessages):
-    model: str | None = None
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
-
-    @model_validator(mode="after")
-    def _exactly_one(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise ParamError("prompt", "give exactly one of prompt or messages")
-        if isinstance(self.prompt, list):
-            raise ParamError("prompt", "prompt must be a string (it is what gets tokenized)")
-        return self
-
-
-class DetokenizeRequest(StrictModel):
-    model: str | None = None
-    tokens: list[int]
-
-    @field_validator("tokens")
-    @classmethod
-    def _non_negative(cls, value: list[int]) -> list[int]:
-        if any(t < 0 for t in value):
-            raise ValueError("token ids must be non-negative")
-        return value
+def sampling_params(fields: SamplingFields, *, max_tokens: int, logprobs: int | None,
+                    guided: dict | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+    """`guided`: an output constraint that overrides the fields' own (tool calls build one).
+    `prompt_logprobs`: also score the prompt tokens (with this many alternatives each)."""
+    kwargs: dict[str, Any] = {"max_tokens": max_tokens, "n": fields.n, "ignore_eos": fields.ignore_eos,
+                              "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
+    for name in PASSTHROUGH:
+        value = getattr(fields, name)
+        if value is not None:
+            kwargs[name] = value
+    if fields.stop:
+        kwargs["stop"] = list(fields.stop)
+    bias = fields.logit_bias_ids()
+    if bias:
+        kwargs["logit_bias"] = bias
+    guided = fields.guided() if guided is None else guided
+    try:
+        if guided is not None:
+            kwargs["guided"] = GuidedDecoding(**guided)
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, f"invalid sampling parameters: {exc}", param=getattr(exc, "param", None)) from exc

@@ -12,11 +12,9 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from engine.errors import RequestNotFound
-from server.context import ServerContext
+from server.context import CONTENT_TYPE, ServerContext
 from server.errors import APIError
-from server.metrics import CONTENT_TYPE
-from server.protocol import DetokenizeRequest, TokenizeRequest
-from server.responses import sequence_view
+from server.protocol_sequences import DetokenizeRequest, TokenizeRequest, sequence_view
 
 public = APIRouter()
 router = APIRouter()

@@ -18,12 +18,15 @@ from fastapi.responses import Response
 from engine.errors import EngineError
 from engine.sequence import new_id
 from server.context import ServerContext
-from server.generation import ClientGone, GenerationRun, await_or_disconnect
-from server.params import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
-from server.protocol import ForkRequest, SequenceCompletionRequest, SequenceCreateRequest, TruncateRequest
-from server.responses import sequence_view
-from server.serving import Formatter, serve
-from server.sse import STREAMED_200
+from server.protocol import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
+from server.protocol_sequences import (
+    ForkRequest,
+    SequenceCompletionRequest,
+    SequenceCreateRequest,
+    TruncateRequest,
+    sequence_view,
+)
+from server.serving import STREAMED_200, ClientGone, Formatter, GenerationRun, await_or_disconnect, serve
 
 router = APIRouter()
 

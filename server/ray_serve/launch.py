@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 
-from server.limits import Limits
+from server.context import Limits
 
 log = logging.getLogger("cellserve")
 APP_NAME = "cellserve"

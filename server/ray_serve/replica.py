@@ -39,7 +39,7 @@ class Replica:
     async def __init__(self, index: int, args: argparse.Namespace):
         from server.app import build_app
         from server.cli import engine_factory
-        from server.limits import Limits
+        from server.context import Limits
 
         logging.basicConfig(level=getattr(args, "log_level", "info").upper())
         self.index, self.name, self.boot = index, replica_name(index), secrets.token_hex(4)

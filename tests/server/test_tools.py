@@ -1,4 +1,4 @@
-"""Tool calling (server/tools.py) through a real server over the bundled default model: with a Hermes-style
+"""Tool calling (server/chat.py) through a real server over the bundled default model: with a Hermes-style
 chat template that renders tools, and with the bundled template that cannot. The toy model has never seen
 a tool; `required` and a named `tool_choice` constrain decoding, so its calls are still well-formed and
 their arguments valid against each tool's schema."""
@@ -12,7 +12,7 @@ from http_support import LiveServer, sse_events
 from tool_support import MESSAGES, SCHEMAS, TIME, TOOLS
 
 from engine.models import DEFAULT_MODEL_DIR
-from server.tools import ToolCallStream, parse_tool_calls
+from server.chat import ToolCallStream, parse_tool_calls
 
 
 @pytest.fixture(scope="module")

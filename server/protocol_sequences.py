@@ -1,0 +1,129 @@
+"""Request schemas of the stateful routes: sequences (create, continue, fork, truncate) and
+tokenize/detokenize, and the sequence object answered (`sequence_view`). They share `server.protocol`'s base (strict types, explicit null = default) and,
+for a sequence continuation, its sampling fields and refused-field tables."""
+
+import time
+from typing import Any, ClassVar
+
+from pydantic import Field, field_validator, model_validator
+
+from engine.outputs import SequenceInfo
+from engine.sampling_params import MAX_LOGPROBS
+from server.protocol import (
+    CHAT_ONLY,
+    COMPLETIONS_ONLY,
+    UNSUPPORTED,
+    ChatMessage,
+    ParamError,
+    SamplingFields,
+    StrictModel,
+    is_token_list,
+)
+
+
+def normalize_single_prompt(value: Any) -> str | list[int] | None:
+    """str | list[int] | None: one prompt (sequences and tokenize take exactly one)."""
+    if value is None or isinstance(value, str):
+        return value
+    if is_token_list(value) and value:
+        return list(value)
+    raise ValueError("prompt must be a string or a non-empty list of non-negative token ids")
+
+
+
+class _PromptOrMessages(StrictModel):
+    prompt: str | list[int] | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = True
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, value: Any) -> str | list[int] | None:
+        return normalize_single_prompt(value)
+
+
+class SequenceCreateRequest(_PromptOrMessages):
+    model: str | None = None
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ParamError("prompt", "give exactly one of prompt or messages")
+        if self.messages is not None and not self.messages:
+            raise ParamError("messages", "messages must not be empty")
+        return self
+
+
+class SequenceCompletionRequest(SamplingFields, _PromptOrMessages):
+    """Append optional text to a sequence, then generate into it (one choice: n must be 1)."""
+
+    unsupported: ClassVar[dict[str, tuple]] = {**UNSUPPORTED, **CHAT_ONLY, **COMPLETIONS_ONLY}
+
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+
+    @model_validator(mode="after")
+    def _at_most_one(self):
+        if self.prompt == "":  # the openai SDK always sends a prompt; "" means "append no text"
+            self.prompt = None
+        if self.prompt is not None and self.messages is not None:
+            raise ParamError("prompt", "give at most one of prompt or messages")
+        if self.n != 1:
+            raise ParamError("n", "a sequence generates one continuation at a time; fork it for more (n must be 1)")
+        return self
+
+
+class ForkRequest(StrictModel):
+    at: int | None = Field(None, ge=0)
+
+
+class TruncateRequest(StrictModel):
+    length: int = Field(ge=0)
+
+
+class TokenizeRequest(_PromptOrMessages):
+    model: str | None = None
+    add_special_tokens: bool = True
+    return_token_strs: bool = False
+
+    @model_validator(mode="after")
+    def _exactly_one(self):
+        if (self.prompt is None) == (self.messages is None):
+            raise ParamError("prompt", "give exactly one of prompt or messages")
+        if isinstance(self.prompt, list):
+            raise ParamError("prompt", "prompt must be a string (it is what gets tokenized)")
+        return self
+
+
+class DetokenizeRequest(StrictModel):
+    model: str | None = None
+    tokens: list[int]
+
+    @field_validator("tokens")
+    @classmethod
+    def _non_negative(cls, value: list[int]) -> list[int]:
+        if any(t < 0 for t in value):
+            raise ValueError("token ids must be non-negative")
+        return value
+
+
+def _epoch(monotonic_t: float) -> float:
+    """`last_used` is a time.monotonic() stamp (TTL arithmetic); clients want wall-clock seconds."""
+    return round(time.time() - (time.monotonic() - monotonic_t), 3)
+
+
+def sequence_view(info: SequenceInfo, text: str | None = None, with_tokens: bool = False) -> dict:
+    out = {
+        "id": info.seq_id,
+        "object": "sequence",
+        "length": info.length,
+        "status": info.status,
+        "parent": info.parent,
+        "cells": {"owned": info.cells_owned, "shared": info.cells_shared, "cached_tokens": info.n_cached},
+        "created": int(info.created),  # already wall-clock (time.time())
+        "last_used": _epoch(info.last_used),
+    }
+    if with_tokens:
+        out["token_ids"] = list(info.token_ids)
+    if text is not None:
+        out["text"] = text
+    return out

@@ -321,28 +321,25 @@ class EngineCollector(Collector):
         s = self._stats()
         if s is None:
             return
-        gauges = {
-            "num_requests_running": ("Requests generating (in the running batch).", s.running),
-            "num_requests_waiting": ("Requests waiting to be admitted.", s.waiting),
-            "num_idle_sequences": ("Persistent sequences with nothing running.", s.idle_sequences),
-            "cells_total": ("KV cells in the pool.", s.n_cells),
-            "cells_used": ("KV cells owned by at least one sequence (shared cells count once).", s.cells_used),
-            "cells_free": ("KV cells owned by nobody.", s.cells_free),
-            "kv_cache_usage_perc": ("Fraction of KV cells in use (0-1).", s.cells_used / max(1, s.n_cells)),
-            "read_len": ("Length of the cell read window.", s.read_len),
+        gauge, counter = GaugeMetricFamily, CounterMetricFamily
+        families = {
+            "num_requests_running": (gauge, "Requests generating (in the running batch).", s.running),
+            "num_requests_waiting": (gauge, "Requests waiting to be admitted.", s.waiting),
+            "num_idle_sequences": (gauge, "Persistent sequences with nothing running.", s.idle_sequences),
+            "cells_total": (gauge, "KV cells in the pool.", s.n_cells),
+            "cells_used": (gauge, "KV cells owned by at least one sequence (shared cells count once).", s.cells_used),
+            "cells_free": (gauge, "KV cells owned by nobody.", s.cells_free),
+            "kv_cache_usage_perc": (gauge, "Fraction of KV cells in use (0-1).", s.cells_used / max(1, s.n_cells)),
+            "read_len": (gauge, "Length of the cell read window.", s.read_len),
+            "num_preemptions": (counter, "Sequences preempted (cells freed, recomputed later).", s.preemptions),
+            "prompt_tokens": (counter, "Prompt tokens prefilled.", s.prompt_tokens),
+            "generation_tokens": (counter, "Tokens generated.", s.generated_tokens),
+            "engine_steps": (counter, "Engine forward steps (ticks).", s.steps),
+            "prefix_cache_queries": (counter, "Prompt tokens looked up in the prefix cache.", s.prefix_queried_tokens),
+            "prefix_cache_hits": (counter, "Prompt tokens whose cells came from the prefix cache.", s.prefix_hit_tokens),
         }
-        for name, (doc, value) in gauges.items():
-            yield GaugeMetricFamily(f"cellserve:{name}", doc, value=value)
-        counters = {
-            "num_preemptions": ("Sequences preempted (cells freed, recomputed later).", s.preemptions),
-            "prompt_tokens": ("Prompt tokens prefilled.", s.prompt_tokens),
-            "generation_tokens": ("Tokens generated.", s.generated_tokens),
-            "engine_steps": ("Engine forward steps (ticks).", s.steps),
-            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", s.prefix_queried_tokens),
-            "prefix_cache_hits": ("Prompt tokens whose cells came from the prefix cache.", s.prefix_hit_tokens),
-        }
-        for name, (doc, value) in counters.items():
-            yield CounterMetricFamily(f"cellserve:{name}", doc, value=value)
+        for name, (family, doc, value) in families.items():
+            yield family(f"cellserve:{name}", doc, value=value)
 
 
 class ServerMetrics:

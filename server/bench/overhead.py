@@ -40,6 +40,15 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def bench_model(model: str | None, work: Path) -> str:
+    """`model`, or else the 56M-parameter benchmark model (random weights) saved once into `work`."""
+    if model is not None:
+        return model
+    path = str(work / "bench56m")
+    _run([*BENCH_ENGINE, "--save-model", path], work / "save_model.log")
+    return path
+
+
 def _run(cmd: list[str], log: Path) -> None:
     with log.open("w") as f:
         done = subprocess.run(cmd, stdout=f, stderr=subprocess.STDOUT, check=False)
@@ -126,10 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="cellserve-overhead-") as tmp:
         work = Path(args.work_dir or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        model = args.model
-        if model is None:
-            model = str(work / "bench56m")
-            _run([*BENCH_ENGINE, "--save-model", model], work / "save_model.log")
+        model = bench_model(args.model, work)
         pairs = []
         print(f"{'pair':>4} {'offline tok/s':>14} {'server tok/s':>13} {'server/offline':>15}", flush=True)
         for k in range(args.pairs):

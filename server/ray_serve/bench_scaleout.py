@@ -34,6 +34,7 @@ from pathlib import Path
 
 import httpx
 
+from server.bench.overhead import bench_model
 from server.bench.report import machine_info
 
 TICK = os.sysconf("SC_CLK_TCK")
@@ -245,12 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="cellserve-scaleout-") as tmp:
         work = Path(args.work_dir or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        model = args.model
-        if model is None:
-            model = str(work / "bench56m")
-            with (work / "save_model.log").open("w") as f:
-                subprocess.run([sys.executable, "-m", "engine.bench_engine", "--save-model", model],
-                               stdout=f, stderr=subprocess.STDOUT, check=True)
+        model = bench_model(args.model, work)
         for k in range(args.rounds):
             order = layouts[k % len(layouts):] + layouts[:k % len(layouts)]
             this_round = [run_layout(args, model, layout, work, k) for layout in order]

@@ -105,10 +105,10 @@ def engine_share(model: str | None, rows: int) -> None:
         apply(x, r, states)
         masks.append(time.perf_counter() - t0)
 
-    def timed_forward(*step):
+    def timed_forward(step):
         t0 = time.perf_counter()
-        out = forward(*step)
-        forwards.append((time.perf_counter() - t0, len(step[0])))
+        out = forward(step)
+        forwards.append((time.perf_counter() - t0, len(step.tokens)))
         return out
 
     grammar.apply_masks, llm.engine.runner.forward = timed_apply, timed_forward

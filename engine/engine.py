@@ -162,7 +162,7 @@ class Engine:
         sample_chunks = [c for c in chunks if c.completes and c.seq.wants_logits]
         prompt_rows = plp_rows(chunks)
         try:
-            logits = self.runner.forward(*_flatten(chunks, sample_chunks, prompt_rows))
+            logits = self.runner.forward(_flatten(chunks, sample_chunks, prompt_rows))
         except Exception as exc:  # one bad step fails its requests, never the engine
             log.exception("forward failed; failing the %d sequences of this step", len(chunks))
             self.outputs.fail_step(chunks, exc, outputs)

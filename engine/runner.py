@@ -46,9 +46,6 @@ class FlatStep:
     seq_ids: torch.Tensor  # [T]
     logits_indices: torch.Tensor  # [S] row of each sequence's last token, in dict order
 
-    def __iter__(self):  # allows `tokens, positions, seq_ids, logits_indices = flatten_step(...)`
-        return iter((self.tokens, self.positions, self.seq_ids, self.logits_indices))
-
 
 def flatten_step(chunks: dict[int, tuple[list[int], int]]) -> FlatStep:
     """Flatten `{seq_id: (token_ids, start_pos)}` into one token axis.
@@ -162,11 +159,11 @@ class ModelRunner:
     def n_cells(self) -> int:
         return self.cache.n_cells
 
-    def forward(self, tokens, positions, seq_ids, logits_indices) -> torch.Tensor:
-        """Run one flat step; return fp32 logits `[len(logits_indices), vocab]` for those rows."""
-        plan = self.cache.begin_step(seq_ids, positions)
-        tokens = torch.as_tensor(tokens).reshape(-1).to(self.device)
-        rows = torch.as_tensor(logits_indices, dtype=torch.int64).reshape(-1).to(self.device)
+    def forward(self, step: FlatStep) -> torch.Tensor:
+        """Run one flat step; return fp32 logits `[len(step.logits_indices), vocab]` for those rows."""
+        plan = self.cache.begin_step(step.seq_ids, step.positions)
+        tokens = torch.as_tensor(step.tokens).reshape(-1).to(self.device)
+        rows = torch.as_tensor(step.logits_indices, dtype=torch.int64).reshape(-1).to(self.device)
         try:
             with torch.inference_mode():
                 if self.native is not None:
@@ -196,7 +193,7 @@ class ModelRunner:
     def run(self, chunks: dict[int, tuple[list[int], int]]) -> dict[int, torch.Tensor]:
         """Convenience: `{seq_id: (token_ids, start_pos)}` -> `{seq_id: logits of its last token}`."""
         step = flatten_step(chunks)
-        logits = self.forward(*step)
+        logits = self.forward(step)
         return dict(zip(chunks.keys(), logits))
 
 

@@ -10,9 +10,9 @@ def _step_sizes(engine) -> list[int]:
     sizes = []
     forward = engine.runner.forward
 
-    def spy(tokens, *args):
-        sizes.append(len(tokens))
-        return forward(tokens, *args)
+    def spy(step):
+        sizes.append(len(step.tokens))
+        return forward(step)
 
     engine.runner.forward = spy
     return sizes

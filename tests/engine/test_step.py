@@ -6,7 +6,8 @@ from engine.runner import flatten_step
 
 
 def test_flatten_keeps_chunks_contiguous_and_points_at_last_rows():
-    tokens, positions, seq_ids, last = flatten_step({3: ([1, 2, 3], 5), 7: ([9], 0), 0: ([4, 4], 2)})
+    step = flatten_step({3: ([1, 2, 3], 5), 7: ([9], 0), 0: ([4, 4], 2)})
+    tokens, positions, seq_ids, last = step.tokens, step.positions, step.seq_ids, step.logits_indices
     assert tokens.tolist() == [1, 2, 3, 9, 4, 4]
     assert positions.tolist() == [5, 6, 7, 0, 2, 3]
     assert seq_ids.tolist() == [3, 3, 3, 7, 0, 0]

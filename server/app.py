@@ -15,7 +15,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Union
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
@@ -25,7 +25,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from engine.sequence import new_id
 from server import routes_ops, routes_sequences
 from server.chat import ChatFormatter, call_grammar, supports_tools, template_tools
-from server.context import Limits, ServerContext
+from server.context import EngineFactory, Limits, ServerContext
 from server.errors import ERROR_RESPONSES, APIError, error_body, install_error_handlers, without_422
 from server.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
@@ -34,6 +34,9 @@ from server.protocol import (
     sampling_params,
 )
 from server.serving import STREAMED_200, Formatter, GenerationRun, serve
+
+if TYPE_CHECKING:  # the server never imports the engine (torch) at run time; it is injected
+    from engine.async_engine import AsyncEngine
 
 log = logging.getLogger("cellserve.server")
 
@@ -110,7 +113,7 @@ async def _send_413(send: Send, message: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def build_app(engine: Any, *, served_model_name: str | None = None, api_key: str | None = None,
+def build_app(engine: Union["AsyncEngine", EngineFactory], *, served_model_name: str | None = None, api_key: str | None = None,
               shutdown_grace_s: float = 30.0, on_fatal=None, limits: Limits | None = None) -> FastAPI:
     """The HTTP app over `engine` (an AsyncEngine, or a zero-argument callable that builds one).
 

@@ -155,7 +155,7 @@ async def await_or_disconnect(request: Request, work: Awaitable, on_disconnect) 
     costs nothing while waiting.
     """
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_disconnect(request))
+    watcher = asyncio.ensure_future(wait_disconnect(request.receive))
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
@@ -174,9 +174,11 @@ async def await_or_disconnect(request: Request, work: Awaitable, on_disconnect) 
     raise ClientGone()
 
 
-async def _wait_disconnect(request: Request) -> None:
+async def wait_disconnect(receive: Receive) -> None:
+    """Return when the client disconnects: the one way both a waiting route and a stream notice it
+    (the body has been read, so the next ASGI message can only be `http.disconnect`)."""
     while True:
-        message = await request.receive()
+        message = await receive()
         if message["type"] == "http.disconnect":
             return
 
@@ -231,7 +233,7 @@ class SSEResponse(StreamingResponse):
                     tg.cancel_scope.cancel()
 
                 tg.start_soon(stream)
-                await self.listen_for_disconnect(receive)
+                await wait_disconnect(receive)
                 tg.cancel_scope.cancel()
         finally:
             with anyio.CancelScope(shield=True):

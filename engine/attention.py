@@ -78,6 +78,8 @@ def _finish(visible: torch.Tensor, spec: MaskSpec) -> torch.Tensor:
 
 # ----- per-row gather ------------------------------------------------------------------------------
 GATHER = "cell_gather"
+
+
 def cell_gather_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                           cell_rows: RowGather | None = None, **kwargs):
     """Attention where query row i reads only its own visible cells; falls back to sdpa without a plan."""

@@ -113,8 +113,9 @@ async def _send_413(send: Send, message: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def build_app(engine: Union["AsyncEngine", EngineFactory], *, served_model_name: str | None = None, api_key: str | None = None,
-              shutdown_grace_s: float = 30.0, on_fatal=None, limits: Limits | None = None) -> FastAPI:
+def build_app(engine: Union["AsyncEngine", EngineFactory], *, served_model_name: str | None = None,
+              api_key: str | None = None, shutdown_grace_s: float = 30.0, on_fatal=None,
+              limits: Limits | None = None) -> FastAPI:
     """The HTTP app over `engine` (an AsyncEngine, or a zero-argument callable that builds one).
 
     `on_fatal(reason)` is called if the model fails to load or the engine loop dies (the CLI exits
@@ -193,7 +194,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     ctx = ServerContext.of(request)
     engine = ctx.require_engine()
     ctx.limits.check_choices(1, body.n)
-    messages = [m.as_template_dict() for m in body.messages]
     mode = body.tool_mode()
     tools = None
     if mode != "none":
@@ -203,7 +203,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
             raise APIError(400, "this model's chat template cannot render tools, so the model cannot choose to "
                            "call one; send tool_choice 'required' or a named function (decoding is then "
                            "constrained to a well-formed call), or no tools", param="tools")
-    prompt = await ctx.tokens.encode_chat(messages, add_generation_prompt=body.add_generation_prompt, tools=tools)
+    prompt = await ctx.tokens.prompt_ids(None, body.messages, tools=tools,
+                                         add_generation_prompt=body.add_generation_prompt)
     max_tokens = body.max_new_tokens()
     if max_tokens is None:
         max_tokens = engine.max_tokens_left(len(prompt), body.n)

@@ -192,7 +192,8 @@ class ChatFormatter(Formatter):
         for s in self.ordered():
             content, calls = parse_tool_calls(s.text, self.parallel) if self.tools else (s.text, [])
             choices.append(chat_choice(s, self.ctx.tokens.token_str, self.want_logprobs, content, calls))
-        return chat_response(self.run.request_id, self.created, self.ctx.model_name, choices, self.usage())
+        return chat_response(self.run.request_id, self.created, self.ctx.model_name, choices,
+                             self.total_usage())
 
     def opening_chunks(self) -> list[dict]:
         return [self._chunk([{"index": s.index, "delta": {"role": "assistant", "content": ""},

@@ -39,7 +39,7 @@ EngineFactory = Callable[[], "AsyncEngine"]
 # Guarantees:
 # - A body larger than `max_body_bytes` is refused with 413 before it is read: at once when its
 #   `Content-Length` says so, else as soon as the bytes received pass the limit (chunked uploads), so a
-#   20 MB body never costs 20 MB of parsing, tokenization or memory.
+#   20 MB body never costs 20 MB of parsing, tokenization or memory (`server.app.BodySizeLimit`).
 # - A request with more prompts than `max_prompts`, or more choices (prompts x n) than `max_choices`,
 #   is a 400 naming the field before anything is tokenized or submitted.
 # - Text that cannot fit the model's context whatever it tokenizes to is refused before tokenization
@@ -74,9 +74,9 @@ class Limits:
 
 
 class ServerContext:
-    def __init__(self, engine: Union["AsyncEngine", EngineFactory], *, served_model_name: str | None = None, api_key: str | None = None,
-                 shutdown_grace_s: float = 30.0, on_fatal: Callable[[str], None] | None = None,
-                 limits: Limits | None = None):
+    def __init__(self, engine: Union["AsyncEngine", EngineFactory], *, served_model_name: str | None = None,
+                 api_key: str | None = None, shutdown_grace_s: float = 30.0,
+                 on_fatal: Callable[[str], None] | None = None, limits: Limits | None = None):
         self._factory: EngineFactory | None = None if _is_engine(engine) else engine
         self.engine: AsyncEngine | None = engine if _is_engine(engine) else None
         self.state = "loading"
@@ -215,13 +215,14 @@ class TokenizerService:
 
     async def prompt_ids(self, prompt: str | Sequence[int] | None, messages: Sequence[Any] | None = None, *,
                          add_generation_prompt: bool = True, add_special_tokens: bool = True,
-                         empty_ok: bool = False) -> list[int]:
+                         empty_ok: bool = False, tools: list[dict] | None = None) -> list[int]:
         """The one way a request's prompt becomes token ids: chat `messages` through the template, text
         through the tokenizer, token ids as given. `empty_ok`: an empty text stays empty (a sequence
-        continuation with nothing to append, /tokenize of ""); otherwise it becomes `[bos]` (or a 400)."""
+        continuation with nothing to append, /tokenize of ""); otherwise it becomes `[bos]` (or a 400).
+        `tools`: tool definitions for a chat template that renders them."""
         if messages is not None:
             dicts = [m.as_template_dict() for m in messages]
-            return await self.encode_chat(dicts, add_generation_prompt=add_generation_prompt)
+            return await self.encode_chat(dicts, add_generation_prompt=add_generation_prompt, tools=tools)
         if isinstance(prompt, str):
             if not prompt and empty_ok:
                 return []
@@ -321,25 +322,27 @@ class EngineCollector(Collector):
         s = self._stats()
         if s is None:
             return
-        gauge, counter = GaugeMetricFamily, CounterMetricFamily
-        families = {
-            "num_requests_running": (gauge, "Requests generating (in the running batch).", s.running),
-            "num_requests_waiting": (gauge, "Requests waiting to be admitted.", s.waiting),
-            "num_idle_sequences": (gauge, "Persistent sequences with nothing running.", s.idle_sequences),
-            "cells_total": (gauge, "KV cells in the pool.", s.n_cells),
-            "cells_used": (gauge, "KV cells owned by at least one sequence (shared cells count once).", s.cells_used),
-            "cells_free": (gauge, "KV cells owned by nobody.", s.cells_free),
-            "kv_cache_usage_perc": (gauge, "Fraction of KV cells in use (0-1).", s.cells_used / max(1, s.n_cells)),
-            "read_len": (gauge, "Length of the cell read window.", s.read_len),
-            "num_preemptions": (counter, "Sequences preempted (cells freed, recomputed later).", s.preemptions),
-            "prompt_tokens": (counter, "Prompt tokens prefilled.", s.prompt_tokens),
-            "generation_tokens": (counter, "Tokens generated.", s.generated_tokens),
-            "engine_steps": (counter, "Engine forward steps (ticks).", s.steps),
-            "prefix_cache_queries": (counter, "Prompt tokens looked up in the prefix cache.", s.prefix_queried_tokens),
-            "prefix_cache_hits": (counter, "Prompt tokens whose cells came from the prefix cache.", s.prefix_hit_tokens),
+        gauges = {
+            "num_requests_running": ("Requests generating (in the running batch).", s.running),
+            "num_requests_waiting": ("Requests waiting to be admitted.", s.waiting),
+            "num_idle_sequences": ("Persistent sequences with nothing running.", s.idle_sequences),
+            "cells_total": ("KV cells in the pool.", s.n_cells),
+            "cells_used": ("KV cells owned by at least one sequence (shared cells count once).", s.cells_used),
+            "cells_free": ("KV cells owned by nobody.", s.cells_free),
+            "kv_cache_usage_perc": ("Fraction of KV cells in use (0-1).", s.cells_used / max(1, s.n_cells)),
+            "read_len": ("Length of the cell read window.", s.read_len),
         }
-        for name, (family, doc, value) in families.items():
-            yield family(f"cellserve:{name}", doc, value=value)
+        counters = {
+            "num_preemptions": ("Sequences preempted (cells freed, recomputed later).", s.preemptions),
+            "prompt_tokens": ("Prompt tokens prefilled.", s.prompt_tokens),
+            "generation_tokens": ("Tokens generated.", s.generated_tokens),
+            "engine_steps": ("Engine forward steps (ticks).", s.steps),
+            "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", s.prefix_queried_tokens),
+            "prefix_cache_hits": ("Prompt tokens whose cells came from the prefix cache.", s.prefix_hit_tokens),
+        }
+        for family, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+            for name, (doc, value) in table.items():
+                yield family(f"cellserve:{name}", doc, value=value)
 
 
 class ServerMetrics:

@@ -35,6 +35,7 @@ from server.errors import APIError
 # --- The base of every request schema: strict types, explicit null = default, text that is valid Unicode,
 # and `ParamError` for cross-field problems that still name their param.
 
+
 class StrictModel(BaseModel):
     """Strict types, unknown fields ignored, and an explicit `null` means "use the default" (as OpenAI)."""
 

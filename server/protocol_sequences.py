@@ -1,6 +1,7 @@
 """Request schemas of the stateful routes: sequences (create, continue, fork, truncate) and
-tokenize/detokenize, and the sequence object answered (`sequence_view`). They share `server.protocol`'s base (strict types, explicit null = default) and,
-for a sequence continuation, its sampling fields and refused-field tables."""
+tokenize/detokenize, and the sequence object they answer with (`sequence_view`). The schemas share
+`server.protocol`'s base (strict types, explicit null = default) and, for a sequence continuation, its
+sampling fields and refused-field tables."""
 
 import time
 from typing import Any, ClassVar
@@ -30,7 +31,6 @@ def normalize_single_prompt(value: Any) -> str | list[int] | None:
     raise ValueError("prompt must be a string or a non-empty list of non-negative token ids")
 
 
-
 class _PromptOrMessages(StrictModel):
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
@@ -41,14 +41,17 @@ class _PromptOrMessages(StrictModel):
     def _prompt(cls, value: Any) -> str | list[int] | None:
         return normalize_single_prompt(value)
 
+    def _require_exactly_one(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise ParamError("prompt", "give exactly one of prompt or messages")
+
 
 class SequenceCreateRequest(_PromptOrMessages):
     model: str | None = None
 
     @model_validator(mode="after")
     def _exactly_one(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise ParamError("prompt", "give exactly one of prompt or messages")
+        self._require_exactly_one()
         if self.messages is not None and not self.messages:
             raise ParamError("messages", "messages must not be empty")
         return self
@@ -87,8 +90,7 @@ class TokenizeRequest(_PromptOrMessages):
 
     @model_validator(mode="after")
     def _exactly_one(self):
-        if (self.prompt is None) == (self.messages is None):
-            raise ParamError("prompt", "give exactly one of prompt or messages")
+        self._require_exactly_one()
         if isinstance(self.prompt, list):
             raise ParamError("prompt", "prompt must be a string (it is what gets tokenized)")
         return self

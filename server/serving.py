@@ -401,9 +401,9 @@ class Formatter:
             st.finish_reason, st.stop_reason, st.error = co.finish_reason, co.stop_reason, co.error
         return st
 
-    def usage(self) -> dict:
+    def total_usage(self) -> dict:
         return usage(self.run.prompt_tokens(), sum(len(s.token_ids) for s in self.states.values()),
-                       sum(self.cached.values()))
+                     sum(self.cached.values()))
 
     def note(self, k: int, out: RequestOutput) -> None:
         """Per-request facts carried by every output (prompt tokens served from the prefix cache)."""
@@ -421,11 +421,12 @@ class Formatter:
     # completions shapes (ChatFormatter overrides)
     def final(self) -> dict:
         choices = [completion_choice(s, self.ctx.tokens.token_str, self.want_logprobs,
-                                       self.prompt_lps.get(s.prompt_index)) for s in self.ordered()]
+                                     self.prompt_lps.get(s.prompt_index)) for s in self.ordered()]
         if self.vllm_k is not None:
             for choice, s in zip(choices, self.ordered()):
                 choice["prompt_logprobs"] = self.vllm_lps.get(s.prompt_index)
-        body = completion_response(self.run.request_id, self.created, self.ctx.model_name, choices, self.usage())
+        body = completion_response(self.run.request_id, self.created, self.ctx.model_name, choices,
+                                   self.total_usage())
         return {**body, **self.extra}
 
     def opening_chunks(self) -> list[dict]:
@@ -447,7 +448,7 @@ class Formatter:
 
     def _chunk(self, choices: list[dict]) -> dict:
         out = chunk(self.chunk_object, self.run.request_id, self.created, self.ctx.model_name, choices,
-                      self.include_usage)
+                    self.include_usage)
         return {**out, **self.extra}
 
 
@@ -498,11 +499,12 @@ async def _stream(ctx: ServerContext, run: GenerationRun, fmt: Formatter) -> Asy
                     yield DONE
                     return
                 if co.text or co.token_ids or co.finish_reason or (first and st.prefix):
-                    chunk = fmt.delta_chunk(st, co, first)
-                    if chunk is not None:
-                        yield chunk
+                    delta = fmt.delta_chunk(st, co, first)
+                    if delta is not None:
+                        yield delta
         if fmt.include_usage:
-            yield usage_chunk(fmt.chunk_object, run.request_id, fmt.created, ctx.model_name, fmt.usage())
+            use = fmt.total_usage()
+            yield usage_chunk(fmt.chunk_object, run.request_id, fmt.created, ctx.model_name, use)
     except Exception as exc:  # any failure must reach the client as an error event
         err = as_api_error(exc)
         if err.status >= 500:

@@ -12,10 +12,7 @@ from server import serving
 from server.chat import chat_logprobs
 from server.cli import parse_size
 from server.errors import APIError, param_from_loc, validation_error
-from server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
-)
+from server.protocol import ChatCompletionRequest, CompletionRequest
 from server.protocol_sequences import (
     DetokenizeRequest,
     SequenceCompletionRequest,

@@ -13,7 +13,7 @@ $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q -e '.[dev,ray]'
-	$(BIN)/python -m engine.kernels  # build the fused CPU kernels once (falls back to eager ops if it cannot)
+	$(BIN)/python -m engine.model.kernels.build  # build the fused CPU kernels once (falls back to eager ops if it cannot)
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -22,7 +22,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.sequence import new_id
+from engine.core.sequence import new_id
 from server import routes_ops, routes_sequences
 from server.chat import ChatFormatter, call_grammar, supports_tools, template_tools
 from server.context import EngineFactory, Limits, ServerContext
@@ -36,7 +36,7 @@ from server.protocol import (
 from server.serving import STREAMED_200, Formatter, GenerationRun, serve
 
 if TYPE_CHECKING:  # the server never imports the engine (torch) at run time; it is injected
-    from engine.async_engine import AsyncEngine
+    from engine.core.async_engine import AsyncEngine
 
 log = logging.getLogger("cellserve.server")
 

@@ -12,13 +12,13 @@ Guarantees:
   `<tool_call>` the model chose to open; "none" renders no tools and parses nothing.
 - `parse_tool_calls` and `ToolCallStream` agree: the same text gives the same calls and content,
   whole or streamed in any split. A block that is not a valid call stays in the content, as text.
-- Torch-free: the grammar leaves here as JSON text (`engine.sampling_params.GuidedDecoding` fields).
+- Torch-free: the grammar leaves here as JSON text (`engine.api.sampling_params.GuidedDecoding` fields).
 """
 
 import json
 import uuid
 
-from engine.outputs import CompletionOutput, TokenLogprob
+from engine.api.outputs import CompletionOutput, TokenLogprob
 from server.serving import ChoiceState, Formatter, TokenStr
 
 START, END = "<tool_call>", "</tool_call>"

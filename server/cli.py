@@ -16,7 +16,7 @@ import sys
 import threading
 from collections.abc import Callable
 
-from engine.args import EngineArgs
+from engine.api.args import EngineArgs
 from server.context import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CHOICES, DEFAULT_MAX_PROMPTS
 
 log = logging.getLogger("cellserve")
@@ -108,7 +108,7 @@ def engine_factory(args: argparse.Namespace) -> Callable[[], object]:
     """A zero-argument builder the app calls in a worker thread (model loading takes seconds)."""
 
     def build():
-        from engine.async_engine import AsyncEngine  # torch-heavy; only when serving
+        from engine.core.async_engine import AsyncEngine  # torch-heavy; only when serving
 
         # a .gguf is converted once, a known name pulled once (EngineArgs.resolved)
         engine_args, name = engine_args_of(args).resolved()
@@ -179,7 +179,7 @@ def _exit_now() -> None:
 
 def pull_command(name: str, dtype: str) -> int:
     """`cellserve pull NAME`: the folder on stdout; on failure one line on stderr and status 1."""
-    from engine.model_source import ModelSourceError, resolve_model
+    from engine.loader.source import ModelSourceError, resolve_model
 
     try:
         source = resolve_model(name, dtype)
@@ -193,7 +193,7 @@ def pull_command(name: str, dtype: str) -> int:
 
 def models_command() -> int:
     """`cellserve models`: every converted folder in the cache, then the known names not pulled yet."""
-    from engine.model_source import KNOWN_MODELS, cached_models, cellserve_home
+    from engine.loader.source import KNOWN_MODELS, cached_models, cellserve_home
 
     rows = cached_models()
     print(f"cache: {cellserve_home()}")
@@ -215,7 +215,7 @@ def _bench(argv: list[str]) -> int:
               file=sys.stderr)
         return 2
     if argv[0] == "engine":  # offline, in engine/; its --save-model tokenizer knows the load generator's words
-        from engine.bench_engine import main as bench_engine
+        from engine.bench.engine import main as bench_engine
         from server.bench.workloads import WORDS
 
         return int(bench_engine(argv[1:], words=WORDS) or 0)

@@ -22,13 +22,13 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from engine.outputs import EngineStats, RequestOutput
+from engine.api.outputs import EngineStats, RequestOutput
 from server.errors import APIError
 
 log = logging.getLogger("cellserve.server")
 
 if TYPE_CHECKING:  # the server never imports the engine (torch) at run time; it is injected
-    from engine.async_engine import AsyncEngine
+    from engine.core.async_engine import AsyncEngine
     from server.serving import GenerationRun
 
 EngineFactory = Callable[[], "AsyncEngine"]

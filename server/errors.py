@@ -1,7 +1,7 @@
 """Error shapes and exception handlers: every failure leaves the server as an OpenAI error body.
 
 The body is always `{"error": {"message", "type", "param", "code"}}` whatever raised it: our own
-`APIError`, a typed engine error (`engine.errors.EngineError`, mapped by `ENGINE_STATUS`), a pydantic /
+`APIError`, a typed engine error (`engine.api.errors.EngineError`, mapped by `ENGINE_STATUS`), a pydantic /
 FastAPI validation failure (400 with the offending `param`, never FastAPI's default 422), garbage
 JSON, an unknown route, or an unexpected bug (500, logged with its traceback). A 429 carries
 `Retry-After`. Handlers never touch the engine, so a bad request changes nothing.
@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from engine.errors import (
+from engine.api.errors import (
     EngineError,
     EngineUnavailable,
     PromptTooLong,

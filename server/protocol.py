@@ -21,7 +21,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from engine.sampling_params import (
+from engine.api.sampling_params import (
     MAX_LOGPROBS,
     MAX_N,
     MAX_TEMPERATURE,
@@ -337,7 +337,7 @@ class SamplingFields(StrictModel):
         return self
 
     def guided(self) -> dict | None:
-        """The output constraint as `engine.sampling_params.GuidedDecoding` fields (kind, spec, choices, param)."""
+        """The output constraint as `engine.api.sampling_params.GuidedDecoding` fields (kind, spec, choices, param)."""
         rf = self.response_format
         if rf is not None and rf.type == "json_object":
             return {"kind": "json_object", "param": "response_format"}

@@ -8,8 +8,8 @@ from typing import Any, ClassVar
 
 from pydantic import Field, field_validator, model_validator
 
-from engine.outputs import SequenceInfo
-from engine.sampling_params import MAX_LOGPROBS
+from engine.api.outputs import SequenceInfo
+from engine.api.sampling_params import MAX_LOGPROBS
 from server.protocol import (
     CHAT_ONLY,
     COMPLETIONS_ONLY,

@@ -11,7 +11,7 @@ import time
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from engine.errors import RequestNotFound
+from engine.api.errors import RequestNotFound
 from server.context import CONTENT_TYPE, ServerContext
 from server.errors import APIError
 from server.protocol_sequences import DetokenizeRequest, TokenizeRequest, sequence_view

@@ -15,8 +15,8 @@ import contextlib
 from fastapi import APIRouter, Body, Request
 from fastapi.responses import Response
 
-from engine.errors import EngineError
-from engine.sequence import new_id
+from engine.api.errors import EngineError
+from engine.core.sequence import new_id
 from server.context import ServerContext
 from server.protocol import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
 from server.protocol_sequences import (

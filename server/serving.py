@@ -27,13 +27,13 @@ from fastapi.responses import JSONResponse, Response
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.api.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from server.context import RequestObserver, ServerContext, ServerMetrics
 from server.errors import APIError, as_api_error, error_body
 
 if TYPE_CHECKING:  # types only: the server does not import the engine (torch) at run time
-    from engine.async_engine import AsyncEngine
-    from engine.sampling_params import SamplingParams
+    from engine.api.sampling_params import SamplingParams
+    from engine.core.async_engine import AsyncEngine
 
 log = logging.getLogger("cellserve.server")
 
@@ -304,7 +304,7 @@ def completion_logprobs(lps: list[TokenLogprob], token_str: TokenStr, offset: in
 
 
 def prompt_logprobs(plp, token_str: TokenStr) -> dict:
-    """Legacy completions logprobs of the echoed prompt (an `engine.outputs.PromptLogprobs`): the first
+    """Legacy completions logprobs of the echoed prompt (an `engine.api.outputs.PromptLogprobs`): the first
     token's logprob and top_logprobs are null, as OpenAI and vLLM answer."""
     tokens = [token_str(t) for t in plp.token_ids]
     tops, offsets, offset = [], [], 0

@@ -10,11 +10,11 @@ import torch
 from tiny_models import full_logits, tiny_model, tiny_tokenizer
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.args import EngineArgs
-from engine.engine import Engine
-from engine.outputs import RequestOutput
-from engine.runner import ModelRunner
-from engine.sampling_params import SamplingParams
+from engine.api.args import EngineArgs
+from engine.api.outputs import RequestOutput
+from engine.api.sampling_params import SamplingParams
+from engine.core.engine import Engine
+from engine.model.runner import ModelRunner
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 ASYNC_TIMEOUT_S = 60

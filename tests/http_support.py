@@ -13,7 +13,7 @@ from typing import Self
 import httpx
 import uvicorn
 
-from engine.async_engine import AsyncEngine
+from engine.core.async_engine import AsyncEngine
 from server.app import build_app
 from server.cli import KEEP_ALIVE_S
 
@@ -28,13 +28,13 @@ class Greedy:
     """From-scratch greedy completions with the offline `LLM` (the reference the server must match)."""
 
     def __init__(self, model_dir: str):
-        from engine.llm import LLM
+        from engine.core.llm import LLM
 
         self.llm = LLM(model=model_dir, n_cells=2048)
         self.tokenizer = self.llm.tokenizer
 
     def __call__(self, prompt_ids: list[int], max_tokens: int, **kw):
-        from engine.sampling_params import SamplingParams
+        from engine.api.sampling_params import SamplingParams
 
         params = SamplingParams(max_tokens=max_tokens, temperature=0.0, **kw)
         return self.llm.generate([list(prompt_ids)], params, use_tqdm=False)[0].outputs[0]

@@ -5,7 +5,7 @@ that the bundled model's folder is saved with, so tools render through the templ
 import shutil
 from pathlib import Path
 
-from engine.models import DEFAULT_MODEL_DIR
+from engine.loader.default import DEFAULT_MODEL_DIR
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 10},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},

@@ -18,5 +18,5 @@ only speaks HTTP (httpx) and never imports torch or `engine/`. Modules, one conc
 - `compare`   `cellserve bench compare`: several `serve` results side by side
 - `overhead`  `cellserve bench overhead`: a real server against the offline engine (run as processes)
 
-`cellserve bench engine` is the engine's own benchmark (engine/bench_engine.py), dispatched by server/cli.py.
+`cellserve bench engine` is the engine's own benchmark (engine/bench/engine.py), dispatched by server/cli.py.
 """

@@ -83,7 +83,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
 def server_tok_s(args: argparse.Namespace, model: str, work: Path, k: int) -> float:
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    # the offline run's engine settings (engine/bench_engine.py run_cellserve): a pool that holds every request
+    # the offline run's engine settings (engine/bench/engine.py run_cellserve): a pool that holds every request
     # in flight, full batches; the rest are the defaults both sides take from EngineArgs
     n_cells = args.concurrency * (args.prompt_len + 1 + args.output_len) + 64
     log = work / f"server_{k}.log"

@@ -6,7 +6,7 @@ and streams the ASGI messages back (`forward`). So a replica answers exactly as 
 would (same routes, validation, errors, SSE), and only Ray moves bytes between processes.
 
 Guarantees:
-- every id the replica makes carries its index and a boot token (`engine.sequence.set_tag`), so sequence
+- every id the replica makes carries its index and a boot token (`engine.core.sequence.set_tag`), so sequence
   and cancel routes come back here; an id of an earlier start of this replica (its process died and
   Ray Serve started a new one) is answered `404` with a message saying the replica restarted;
 - `forward` first yields `("accepted",)` at once, so the ingress can tell a replica that is not
@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
-from engine.sequence import set_tag
+from engine.core.sequence import set_tag
 from server.errors import error_body
 from server.ray_serve.routing import parse_id, replica_name, replica_tag, routed_id
 

@@ -1,7 +1,7 @@
 """Routing decisions of the scale-out ingress, free of Ray and torch (unit-testable, cheap to import).
 
 - **Affinity**: every id a replica makes carries `r<index>-<boot>-` after its kind (`seq-r1-3f9a2c01-<hex>`,
-  see `engine.sequence.set_tag`). The index says which replica holds the sequence or runs the request, so
+  see `engine.core.sequence.set_tag`). The index says which replica holds the sequence or runs the request, so
   routing needs no table and survives an ingress restart; the boot token (random per replica start)
   lets a restarted replica tell a sequence it never had (`404`, "the replica restarted") from one
   that never existed.

@@ -19,8 +19,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from tiny_models import VOCAB, full_logits, tiny_model
 
-from engine.cells import DEFAULT_MAX_SEQS, CacheFull, CellCache, CellCacheError
-from engine.runner import ModelRunner
+from engine.cells.cache import DEFAULT_MAX_SEQS, CacheFull, CellCache, CellCacheError
+from engine.model.runner import ModelRunner
 
 ATOL = 1e-4
 
@@ -394,7 +394,7 @@ TestInterleavingsQwenSlidingReference = _machine("qwen2_sliding", "reference")
 
 
 def test_fork_and_remove_are_refused_during_a_step():
-    from engine.cells import CellCache, CellCacheError
+    from engine.cells.cache import CellCache, CellCacheError
 
     cache = CellCache(8, 1)
     cache.begin_step([0], [0])
@@ -408,7 +408,7 @@ def test_fork_and_remove_are_refused_during_a_step():
 
 @pytest.mark.parametrize("seq_ids,positions", [([True], [0]), ([0.9], [1]), ([0], [1.7])])
 def test_begin_step_refuses_bool_and_float_ids(seq_ids, positions):
-    from engine.cells import CellCache, CellCacheError
+    from engine.cells.cache import CellCache, CellCacheError
 
     cache = CellCache(8, 1)
     with pytest.raises(CellCacheError, match="must be integers"):

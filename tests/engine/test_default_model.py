@@ -14,8 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.models import DEFAULT_MODEL_DIR, HELDOUT_TEXT_PATH
-from engine.runner import ModelRunner
+from engine.loader.default import DEFAULT_MODEL_DIR, HELDOUT_TEXT_PATH
+from engine.model.runner import ModelRunner
 
 REQUIRED_FILES = ("config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                   "tokenizer_config.json")

@@ -7,8 +7,14 @@ import asyncio
 import pytest
 from engine_support import ASYNC_TIMEOUT_S, greedy, greedy_oracle, make_engine, prompt, run_async
 
-from engine.async_engine import AsyncEngine
-from engine.errors import EngineUnavailable, InvalidRequest, PromptTooLong, RequestNotFound, SequenceNotFound
+from engine.api.errors import (
+    EngineUnavailable,
+    InvalidRequest,
+    PromptTooLong,
+    RequestNotFound,
+    SequenceNotFound,
+)
+from engine.core.async_engine import AsyncEngine
 
 
 async def _collect(stream) -> tuple[list[int], str | None, int]:
@@ -134,7 +140,7 @@ def test_shutdown_cancels_what_is_left_and_refuses_new_work(model):
 
 
 def test_launch_builds_the_engine_on_the_thread_that_runs_it(model):
-    """All torch work on one thread (see engine/async_engine.py): the builder runs on the loop thread."""
+    """All torch work on one thread (see engine/core/async_engine.py): the builder runs on the loop thread."""
     import threading
 
     seen: dict[str, threading.Thread] = {}

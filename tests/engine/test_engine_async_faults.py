@@ -15,8 +15,8 @@ import time
 import pytest
 from engine_support import ASYNC_TIMEOUT_S, greedy, greedy_oracle, make_engine, prompt, run_async
 
-from engine.async_engine import AsyncEngine
-from engine.errors import EngineUnavailable
+from engine.api.errors import EngineUnavailable
+from engine.core.async_engine import AsyncEngine
 
 
 def _block_loop(aeng: AsyncEngine) -> threading.Event:

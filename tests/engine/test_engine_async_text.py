@@ -10,8 +10,8 @@ import threading
 import pytest
 from engine_support import Collector, drain, make_engine, scripted_model, shared_tokenizer, text_model
 
-from engine.async_engine import AsyncEngine
-from engine.sampling_params import SamplingParams
+from engine.api.sampling_params import SamplingParams
+from engine.core.async_engine import AsyncEngine
 
 
 class RecordingTokenizer:

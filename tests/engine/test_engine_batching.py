@@ -15,9 +15,9 @@ from engine_support import (
 )
 from tiny_models import tiny_model
 
-from engine.llm import LLM
-from engine.runner import ModelRunner
-from engine.sampling_params import SamplingParams
+from engine.api.sampling_params import SamplingParams
+from engine.core.llm import LLM
+from engine.model.runner import ModelRunner
 
 PROMPTS = [prompt(2 + 3 * i, seed=i) for i in range(16)]  # 2 .. 47 tokens
 MAX_TOKENS = 10

@@ -13,8 +13,8 @@ from engine_support import (
 )
 from tiny_models import tiny_model
 
-from engine.native import Attend
-from engine.sampling_params import SamplingParams
+from engine.api.sampling_params import SamplingParams
+from engine.model.native.model import Attend
 
 
 class Boom(RuntimeError):
@@ -28,7 +28,7 @@ def model():
 
 def _fail_next_forward(monkeypatch, model, layer=1):
     """Make decoder layer `layer` raise on its next call only (the model is real; one layer misbehaves),
-    whichever path the runner takes: the transformers modules or the native forward (engine/native.py)."""
+    whichever path the runner takes: the transformers modules or the native forward (engine/model/native/model.py)."""
     target = model.model.layers[layer]
     original, attend = target.forward, Attend.__call__
     calls = []

@@ -14,7 +14,7 @@ from engine_support import (
     prompt,
 )
 
-from engine.errors import InvalidRequest, PromptTooLong, QueueFull, SequenceBusy, SequenceNotFound
+from engine.api.errors import InvalidRequest, PromptTooLong, QueueFull, SequenceBusy, SequenceNotFound
 
 
 def _create(engine, ids) -> str:

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from tiny_models import tiny_model
 
-from engine.errors import PromptTooLong, SequenceBusy
+from engine.api.errors import PromptTooLong, SequenceBusy
 
 N_CELLS = 40
 MODEL = tiny_model("llama_gqa")

@@ -10,7 +10,7 @@ import itertools
 import pytest
 from engine_support import Collector, drain, make_engine, scripted_model, shared_tokenizer, text_model
 
-from engine.sampling_params import SamplingParams
+from engine.api.sampling_params import SamplingParams
 
 REPLACEMENT = "\ufffd"
 

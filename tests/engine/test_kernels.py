@@ -1,4 +1,4 @@
-"""The fused CPU kernels (engine/csrc/*.cpp) against the eager ops they replace.
+"""The fused CPU kernels (engine/model/kernels/csrc/*.cpp) against the eager ops they replace.
 
 fp32 must agree to float rounding; bf16 rounds once where the eager ops round several times, so it
 is held to bf16's own resolution. The build's fallback (no kernels: eager ops) is checked too.
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine import kernels
+from engine.model.kernels import build as kernels
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -140,7 +140,7 @@ def test_without_kernels_the_native_forward_falls_back(tmp_path):
     broken = tmp_path / "broken.cpp"
     broken.write_text("this is not C++\n")
     code = (
-        "import sys; from pathlib import Path; from engine import kernels\n"
+        "import sys; from pathlib import Path; from engine.model.kernels import build as kernels\n"
         "if sys.argv[1] == 'broken': kernels.SOURCES = (Path(sys.argv[2]),)\n"
         "print(kernels.load(), kernels.why_not())\n"
     )

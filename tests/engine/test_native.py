@@ -1,4 +1,4 @@
-"""The native Llama-family forward (engine/native.py) against the transformers oracle.
+"""The native Llama-family forward (engine/model/native/model.py) against the transformers oracle.
 
 The equivalence matrix in test_runner_equivalence.py runs it on every supported architecture; these
 tests pin what that matrix does not reach: each of its three attention modes, steps mixing them,
@@ -9,10 +9,10 @@ import pytest
 import torch
 from tiny_models import full_logits, tiny_model
 
-from engine import kernels
-from engine import native as native_mod
-from engine.native import Attend
-from engine.runner import ModelRunner
+from engine.model.kernels import build as kernels
+from engine.model.native import model as native_mod
+from engine.model.native.model import Attend
+from engine.model.runner import ModelRunner
 
 ATOL = 1e-4
 

@@ -1,13 +1,13 @@
 """Cell-pool forwards equal a cacheless forward of each sequence's whole history (fp32, atol 1e-4),
 for every supported architecture, both mask kinds (sdpa bool, eager additive) and every path
 (reference dense window; fast compacted window through the transformers modules; fast through the
-native Llama-family forward, `engine/native.py`)."""
+native Llama-family forward, `engine/model/native/model.py`)."""
 
 import pytest
 import torch
 from tiny_models import BUILDERS, full_logits, tiny_model
 
-from engine.runner import ModelRunner
+from engine.model.runner import ModelRunner
 
 ATOL = 1e-4
 PATHS = [("fast", None), ("fast", False), ("reference", None)]  # (attention, native): None = native if supported
@@ -188,7 +188,7 @@ def _raise(*args, **kwargs):
 
 @pytest.mark.parametrize("name", ["llama_gqa", "qwen2_sliding", "gpt2"])
 def test_row_gather_kernel_is_used_for_many_decodes_and_exact(name):
-    from engine import attention
+    from engine.model import hf_attention as attention
 
     h = Harness(name, "sdpa", "fast", n_cells=256, native=False)
     assert h.model.config._attn_implementation == attention.GATHER

@@ -8,9 +8,9 @@ import math
 import pytest
 import torch
 
-from engine.errors import InvalidRequest
-from engine.sampling import Sampler, SampleResult, check_stop_token, make_generator
-from engine.sampling_params import SamplingError, SamplingParams
+from engine.api.errors import InvalidRequest
+from engine.api.sampling_params import SamplingError, SamplingParams
+from engine.sample.sampler import Sampler, SampleResult, check_stop_token, make_generator
 
 sample = Sampler()
 

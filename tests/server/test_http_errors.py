@@ -7,7 +7,7 @@ import openai
 import pytest
 from http_support import API_KEY, LONG_TOKENS, MODEL_NAME, LiveServer, metric_value
 
-from engine.async_engine import AsyncEngine
+from engine.core.async_engine import AsyncEngine
 
 OK = {"prompt": "ROMEO:", "max_tokens": 2}
 MSG = [{"role": "user", "content": "hi"}]

@@ -247,7 +247,7 @@ def test_the_server_process_exits_1_when_its_engine_loop_dies(model_dir, tmp_pat
     script = tmp_path / "dying_server.py"
     script.write_text(textwrap.dedent(f"""
         import sys
-        from engine.engine import Engine
+        from engine.core.engine import Engine
         class Fatal(BaseException):
             pass
         def die(self):

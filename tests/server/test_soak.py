@@ -144,7 +144,7 @@ def solo_references(url: str, model_path: str) -> dict:
 def offline_greedy(greedy: Greedy, prompts: dict, max_tokens: int) -> dict:
     """Greedy texts of several prompts at once, from the offline `LLM` (the same engine, no server),
     and under (kind + "-ids", i) each whole greedy history: prompt ids then generated ids."""
-    from engine.sampling_params import SamplingParams
+    from engine.api.sampling_params import SamplingParams
 
     keys = list(prompts)
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)

@@ -1,4 +1,4 @@
-"""Structured output (engine/grammar.py + the Sampler's mask hook) with the bundled default model, whose
+"""Structured output (engine/sample/grammar.py + the Sampler's mask hook) with the bundled default model, whose
 text is otherwise never JSON: every finished output parses and validates against its schema, ends with
 finish_reason "stop" when the grammar is complete, shares batches with free rows without changing them,
 and every way of asking for it over HTTP works (chat, completions, sequences, stream, the openai SDK's
@@ -13,9 +13,9 @@ import pydantic
 import pytest
 from http_support import LiveServer, sse_events
 
-from engine.llm import LLM
-from engine.models import DEFAULT_MODEL_DIR
-from engine.sampling_params import GuidedDecoding, SamplingError, SamplingParams
+from engine.api.sampling_params import GuidedDecoding, SamplingError, SamplingParams
+from engine.core.llm import LLM
+from engine.loader.default import DEFAULT_MODEL_DIR
 
 SCHEMA = {
     "type": "object",

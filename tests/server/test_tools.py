@@ -11,7 +11,7 @@ import pytest
 from http_support import LiveServer, sse_events
 from tool_support import MESSAGES, SCHEMAS, TIME, TOOLS
 
-from engine.models import DEFAULT_MODEL_DIR
+from engine.loader.default import DEFAULT_MODEL_DIR
 from server.chat import ToolCallStream, parse_tool_calls
 
 

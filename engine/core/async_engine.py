@@ -23,12 +23,12 @@ import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-from engine.args import EngineArgs, build_engine
-from engine.engine import Engine
-from engine.errors import EngineUnavailable, RequestNotFound
-from engine.output_processor import OutputDetokenizer, context_ids
-from engine.outputs import CompletionOutput, EngineStats, RequestOutput, SequenceInfo
-from engine.sampling_params import SamplingParams
+from engine.api.args import EngineArgs, build_engine
+from engine.api.errors import EngineUnavailable, RequestNotFound
+from engine.api.outputs import CompletionOutput, EngineStats, RequestOutput, SequenceInfo
+from engine.api.sampling_params import SamplingParams
+from engine.core.engine import Engine
+from engine.core.output_processor import OutputDetokenizer, context_ids
 
 log = logging.getLogger("cellserve.engine")
 

@@ -23,7 +23,7 @@ import math
 import threading
 from dataclasses import dataclass, field
 
-from engine.errors import InvalidRequest, PromptTooLong, QueueFull
+from engine.api.errors import InvalidRequest, PromptTooLong, QueueFull
 
 MAX_LOGPROBS = 20
 MAX_N = 64
@@ -72,7 +72,7 @@ def _integer(name: str, value, lo: int, hi: int) -> int:
 @dataclass(frozen=True)
 class GuidedDecoding:
     """What a completion's text must match (structured output), checked for shape here and compiled by
-    the engine (engine/grammar.py) at admission. Torch-free and hashable.
+    the engine (engine/sample/grammar.py) at admission. Torch-free and hashable.
 
     kind: json_object (any JSON object) | json_schema (spec: the schema as JSON text) | regex (spec) |
     choice (choices: one of these strings) | grammar (spec: EBNF/GBNF) | structural_tag (spec: JSON text).
@@ -236,7 +236,7 @@ class Admission:
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
-        self._grammars = None  # engine.grammar.GrammarCompiler, made on the first structured-output request
+        self._grammars = None  # engine.sample.grammar.GrammarCompiler, made on the first structured-output request
         self._grammars_lock = threading.Lock()
 
     def check_tokens(self, ids) -> None:
@@ -283,7 +283,7 @@ class Admission:
                                  "loaded", params.guided.param)
         with self._grammars_lock:
             if self._grammars is None:  # xgrammar loads only when structured output is used
-                from engine.grammar import GrammarCompiler
+                from engine.sample.grammar import GrammarCompiler
 
                 self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_ids)
         return self._grammars.compile(params.guided)

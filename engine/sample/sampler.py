@@ -1,4 +1,4 @@
-"""The vectorised sampler (its parameters, torch-free, are `engine.sampling_params.SamplingParams`).
+"""The vectorised sampler (its parameters, torch-free, are `engine.api.sampling_params.SamplingParams`).
 
 `Sampler` turns a step's logits `[B, V]` into one token per row with batched tensor ops: logit bias and
 penalties by scatter, then temperature, min-p, top-k and top-p by one sort and masks over the whole
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.sampling_params import SamplingParams
-from engine.scheduler import Chunk
-from engine.sequence import Sequence as EngineSequence
+from engine.api.sampling_params import SamplingParams
+from engine.core.scheduler import Chunk
+from engine.core.sequence import Sequence as EngineSequence
 
 
 def make_generator(params: SamplingParams, device: torch.device | str = "cpu") -> torch.Generator:
@@ -53,7 +53,7 @@ def check_stop_token(params: SamplingParams, token_id: int, num_generated: int,
     Returns (finish_reason, stop_reason) as in vLLM: ("stop", token_id) for a stop_token_id, ("stop", None)
     for EOS (unless ignore_eos), ("length", None) at max_tokens, else None (keep going). A stop or EOS
     token stays in the output token ids but its text should not be pushed to the detokenizer. Stop
-    *strings* are the detokenizer's job (engine/output_processor.py).
+    *strings* are the detokenizer's job (engine/core/output_processor.py).
     """
     if token_id in params.stop_token_ids:
         return "stop", token_id
@@ -88,7 +88,7 @@ class Sampler:
     - output_ids: B lists of the row's previously generated token ids (presence/frequency penalties use
       these; repetition penalty uses prompt + output). Only read for rows with penalties.
     - prompt_ids: B lists of prompt token ids, or None (then repetition penalty sees only the output).
-    - grammars: B `engine.grammar.GrammarState` or None (structured output): a row with one may only
+    - grammars: B `engine.sample.grammar.GrammarState` or None (structured output): a row with one may only
       pick a token its grammar allows. The mask is applied after bias and penalties, before
       temperature and truncation (vLLM's order); logprobs stay raw (the unmasked model).
     """
@@ -109,7 +109,7 @@ class Sampler:
         if not plain:
             self._apply_bias_and_penalties(x, params, output_ids, prompt_ids)
         if constrained:
-            from engine.grammar import apply_masks  # xgrammar is loaded only once a grammar is used
+            from engine.sample.grammar import apply_masks  # xgrammar is loaded only once a grammar is used
 
             apply_masks(x, constrained, [grammars[i] for i in constrained])
         tokens = self._choose(x, params, generators)

@@ -42,7 +42,7 @@ class EngineArgs:
     def resolved(self) -> tuple["EngineArgs", str]:
         """These args with `model` resolved to a loadable folder (pulling or converting it if needed),
         and the model's display name."""
-        from engine.model_source import resolve_model
+        from engine.loader.source import resolve_model
 
         source = resolve_model(self.model, self.dtype)
         return replace(self, model=source.path), source.name
@@ -65,8 +65,8 @@ def _env_int(name: str, default: int) -> int:
 
 def build_engine(args: EngineArgs, runner=None):
     """An `Engine` for `args` (loads the model unless a ready `ModelRunner` is given)."""
-    from engine.engine import Engine
-    from engine.runner import ModelRunner
+    from engine.core.engine import Engine
+    from engine.model.runner import ModelRunner
 
     if runner is None:
         args, _ = args.resolved()

@@ -88,7 +88,7 @@ def resolve_model(model: str | Path | None, dtype="auto", *, home: Path | None =
     """A loadable folder for `model` (see the module docstring). `pull=False` refuses to fetch a known
     model that is not cached yet instead of downloading it."""
     if model is None:
-        from engine.models import DEFAULT_MODEL_DIR
+        from engine.loader.default import DEFAULT_MODEL_DIR
 
         return ResolvedModel(DEFAULT_MODEL_DIR, DEFAULT_MODEL_DIR.name)
     path = Path(model).expanduser()
@@ -115,7 +115,7 @@ def resolve_model(model: str | Path | None, dtype="auto", *, home: Path | None =
 def gguf_folder(path: Path, dtype="auto", *, home: Path | None = None, progress: bool = True,
                 sha256: str | None = None, name: str | None = None) -> Path:
     """The converted folder of the GGUF file `path`, converting it first if it is not cached."""
-    from engine.gguf_convert import read_gguf_metadata
+    from engine.loader.gguf import read_gguf_metadata
 
     read_gguf_metadata(path)  # not GGUF / truncated header: fail before hashing gigabytes
     home = home or cellserve_home()
@@ -123,7 +123,7 @@ def gguf_folder(path: Path, dtype="auto", *, home: Path | None = None, progress:
     dest = converted_dir(sha256, dtype, home)
     if (dest / "cellserve.json").is_file():
         return dest
-    from engine.gguf_convert import convert_gguf
+    from engine.loader.gguf import convert_gguf
 
     _make_dir(dest.parent)
     convert_gguf(path, dest, gguf_dtype(dtype), progress=progress,

@@ -8,7 +8,7 @@ Two paths that must agree (tests check they do):
   holes and other conversations' history cost nothing. When each query sees only a small part of
   that window (decoding many sequences: O(B^2 L) dense), each query row instead gathers just its
   own visible cells (`cell_gather`, registered through transformers' `AttentionInterface`; the
-  per-row index is `engine.cells.row_gather_for`).
+  per-row index is `engine.cells.cache.row_gather_for`).
 
 transformers returns an explicit 4D mask untouched, so the mask is the whole integration: bool for
 `sdpa`, additive float for `eager` (a bool mask there is silently wrong), and a dict keyed by layer
@@ -23,7 +23,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from engine.cells import RowGather, StepPlan, windowed
+from engine.cells.cache import RowGather, StepPlan, windowed
 
 ATTENTION_PATHS = ("fast", "reference")
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.attention import ATTENTION_PATHS, GATHER, build_mask, mask_spec_for
-from engine.cells import DEFAULT_MAX_SEQS, CellCache, row_gather_for
-from engine.native import NativeLlama, native_unsupported
+from engine.cells.cache import DEFAULT_MAX_SEQS, CellCache, row_gather_for
+from engine.model.hf_attention import ATTENTION_PATHS, GATHER, build_mask, mask_spec_for
+from engine.model.native.model import NativeLlama, native_unsupported
 
 DEFAULT_N_CELLS = 8192
 

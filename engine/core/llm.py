@@ -10,10 +10,10 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from engine.args import EngineArgs, build_engine
-from engine.outputs import CompletionOutput, RequestOutput
-from engine.runner import ModelRunner
-from engine.sampling_params import SamplingParams
+from engine.api.args import EngineArgs, build_engine
+from engine.api.outputs import CompletionOutput, RequestOutput
+from engine.api.sampling_params import SamplingParams
+from engine.model.runner import ModelRunner
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """Structured output: grammars compiled with xgrammar, one matcher per generating row, masks in the Sampler.
 
-Why xgrammar (`python -m engine.bench_grammar`, which reproduces these): on this CPU, with the bundled
+Why xgrammar (`python -m engine.bench.grammar`, which reproduces these): on this CPU, with the bundled
 model's tokenizer (4096 tokens) and a 5-field JSON schema walked token by token (87 tokens), the
 per-token mask cost was xgrammar 3-5 us mean / 66-165 us worst, llguidance 50-100 us mean / 1.7-6.5 ms
 worst (its first mask), outlines-core 3-5 us mean but an 11-38 ms compile that grows with vocabulary x
@@ -28,8 +28,8 @@ import json
 
 import torch
 
-from engine.errors import InvalidRequest
-from engine.sampling_params import GuidedDecoding
+from engine.api.errors import InvalidRequest
+from engine.api.sampling_params import GuidedDecoding
 
 # JSON is produced compactly (`, ` and `: ` separators, no free whitespace): a model cannot loop on
 # whitespace inside a structure, and any JSON parser reads it (vLLM's `disable_any_whitespace`).

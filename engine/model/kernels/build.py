@@ -1,4 +1,4 @@
-"""The native forward's fused CPU kernels (`engine/csrc/*.cpp`): built once, or not at all.
+"""The native forward's fused CPU kernels (`engine/model/kernels/csrc/*.cpp`): built once, or not at all.
 
 `load()` compiles the kernels with torch's `cpp_extension` the first time any process asks (~15 s on
 2 cores; `make` does it at install) and caches the build under `~/.cache/cellserve/kernels/`, keyed by
@@ -82,6 +82,6 @@ def _cpu_flags() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
-if __name__ == "__main__":  # `python -m engine.kernels`: build now (make does this at install)
+if __name__ == "__main__":  # `python -m engine.model.kernels.build`: build now (make does this at install)
     logging.basicConfig(level=logging.INFO)
     print("fused CPU kernels:", "on" if load() else f"off ({why_not()})")

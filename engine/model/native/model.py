@@ -10,7 +10,7 @@ OpenMP region), not arithmetic. `NativeLlama` runs the same model from the same 
 - K/V written straight into the cell pools and attention read straight from them
   (`Attend`, below): decoding rows read their own visible cells, with the mask folded into an
   additive bias built once per step for all layers;
-- with the fused CPU kernels (`engine/kernels.py`, built once; eager ops when they cannot be built):
+- with the fused CPU kernels (`engine/model/kernels/build.py`, built once; eager ops when they cannot be built):
   RMSNorm in one pass, RoPE + the K/V pool write in one pass, and decode attention reading the
   cells in place, so a layer runs 9 ops instead of ~35; and at one row (one sequence decoding)
   every linear streams the model's own weights through `small_linear` (about twice oneDNN's speed
@@ -21,7 +21,7 @@ tests compare this one against (fp32: same logits within 1e-4, same greedy token
 
 How the queries read the cell pools is decided once a step for every layer (`Attend`).
 A step is one or more parts, each a set of query rows and the pool cells they read:
-- `cells` (with the fused kernels, `engine/kernels.py`): each one-row (decoding) query reads its own
+- `cells` (with the fused kernels, `engine/model/kernels/build.py`): each one-row (decoding) query reads its own
   visible cells in place from the pools (`torch.ops.cellserve.cell_attention`, no copy);
 - `gather` (without them): each one-row query copies its own visible cells out of the pools and
   attends by batched matmuls with an additive bias `[Hkv*t, G, L]`;
@@ -43,9 +43,9 @@ from itertools import pairwise
 import torch
 import torch.nn.functional as F
 
-from engine import kernels
-from engine.attention import MaskSpec
-from engine.cells import CellCache, RowGather, StepPlan, gather_rows, row_gather_for, windowed
+from engine.cells.cache import CellCache, RowGather, StepPlan, gather_rows, row_gather_for, windowed
+from engine.model.hf_attention import MaskSpec
+from engine.model.kernels import build as kernels
 
 NATIVE_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -75,7 +75,7 @@ class Linear:
     for the dtype it is `F.linear` plus the same epilogue in eager ops (same result). With `small`
     on (the fused kernels loaded, `NativeLlama.fused`), one-row calls (a decode step of one sequence)
     go to `torch.ops.cellserve.small_linear` instead, which streams `parts` (the model's own weights,
-    read in place) once at about twice oneDNN's speed at one row (engine/csrc/small_linear.cpp).
+    read in place) once at about twice oneDNN's speed at one row (engine/model/kernels/csrc/small_linear.cpp).
     """
 
     def __init__(self, weights: list[torch.Tensor], bias: torch.Tensor | None = None, gemv: bool = False):

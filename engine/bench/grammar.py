@@ -1,6 +1,6 @@
-"""Grammar-mask cost: the measurement behind engine/grammar.py's choice of xgrammar, reproducible.
+"""Grammar-mask cost: the measurement behind engine/sample/grammar.py's choice of xgrammar, reproducible.
 
-    python -m engine.bench_grammar [--model FOLDER] [--rows 16]
+    python -m engine.bench.grammar [--model FOLDER] [--rows 16]
 
 1. Per-token mask cost of each installed candidate (xgrammar, llguidance, outlines-core; the last two
    are not dependencies: `pip install llguidance outlines-core` to compare) on the model's tokenizer: a
@@ -92,9 +92,9 @@ def _outlines_core(tok, ids, V):
 
 
 def engine_share(model: str | None, rows: int) -> None:
-    from engine import grammar
-    from engine.llm import LLM
-    from engine.sampling_params import GuidedDecoding, SamplingParams
+    from engine.api.sampling_params import GuidedDecoding, SamplingParams
+    from engine.core.llm import LLM
+    from engine.sample import grammar
 
     llm = LLM(model) if model else LLM()
     masks, forwards = [], []
@@ -129,7 +129,7 @@ def main() -> None:
     torch.set_num_threads(1)
     from transformers import AutoTokenizer
 
-    from engine.models import DEFAULT_MODEL_DIR
+    from engine.loader.default import DEFAULT_MODEL_DIR
 
     tok = AutoTokenizer.from_pretrained(args.model or DEFAULT_MODEL_DIR)
     V, ids = len(tok), tok.encode(DOC, add_special_tokens=False)

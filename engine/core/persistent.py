@@ -8,10 +8,10 @@ verb, because it must first cancel the request running on it.
 
 import time
 
-from engine.errors import InvalidRequest, SequenceBusy, SequenceNotFound
-from engine.outputs import SequenceInfo
-from engine.scheduler import Scheduler
-from engine.sequence import Sequence, new_id
+from engine.api.errors import InvalidRequest, SequenceBusy, SequenceNotFound
+from engine.api.outputs import SequenceInfo
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Sequence, new_id
 
 
 class SequenceTable:

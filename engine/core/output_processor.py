@@ -24,10 +24,10 @@ import logging
 import time
 from collections import abc
 
-from engine.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from engine.sampling import check_stop_token
-from engine.scheduler import Chunk, Scheduler
-from engine.sequence import Request, Sequence
+from engine.api.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.core.scheduler import Chunk, Scheduler
+from engine.core.sequence import Request, Sequence
+from engine.sample.sampler import check_stop_token
 
 log = logging.getLogger("cellserve.engine")
 REPLACEMENT_CHAR = "\ufffd"

@@ -1,6 +1,6 @@
 """Engine-core benchmark: decode throughput over cells, and the cost of the cell bookkeeping.
 
-Run: `python -m engine.benchmark_core [--threads 2] [--concurrency 1,8,32] [--steps 32]
+Run: `python -m engine.bench.attention [--threads 2] [--concurrency 1,8,32] [--steps 32]
 [--paths fast,reference] [--json out.json]`.
 
 Model: a 56M-parameter Llama (hidden 512, intermediate 1408, 8 layers, 8 heads, 4 KV heads, vocab
@@ -33,10 +33,10 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-import engine.runner as runner_mod
-from engine.args import EngineArgs
-from engine.bench_engine import Clock, bench_llama_56m, machine_info, prompts_for, run_hf_generate
-from engine.runner import ModelRunner
+import engine.model.runner as runner_mod
+from engine.api.args import EngineArgs
+from engine.bench.engine import Clock, bench_llama_56m, machine_info, prompts_for, run_hf_generate
+from engine.model.runner import ModelRunner
 
 
 @dataclass
@@ -184,7 +184,7 @@ def format_table(rows: list[DecodeRow], hf: tuple[float, float]) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m engine.benchmark_core", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m engine.bench.attention", description=__doc__.split("\n")[0])
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--concurrency", default="1,8,32", help="comma-separated numbers of sequences")
     p.add_argument("--steps", type=int, default=32, help="greedy decode steps per run")
@@ -209,7 +209,7 @@ def main(argv=None) -> int:
     os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
     torch.set_num_threads(args.threads)
     info = machine_info()
-    print("command:", shlex.join([sys.executable, "-m", "engine.benchmark_core", *(argv or sys.argv[1:])]))
+    print("command:", shlex.join([sys.executable, "-m", "engine.bench.attention", *(argv or sys.argv[1:])]))
     print("machine:", ", ".join(f"{k}={v}" for k, v in info.items()))
     model = bench_llama_56m().to(torch.float32)
     model.set_attn_implementation("sdpa")

@@ -20,7 +20,7 @@ import time
 import uuid
 from pathlib import Path
 
-from engine.model_source import ModelSourceError
+from engine.loader.source import ModelSourceError
 
 GGUF_MAGIC = b"GGUF"
 # GGUF value types: struct format of the scalars; 8 = string, 9 = array.

@@ -8,7 +8,7 @@ greedy tokens, EOS ignored) are submitted at once and run to completion by:
 It prints the command, the machine and generated tokens/s with ratios against the baselines, and
 the share of each step spent outside the model forward (scheduling, planning, sampling, detok).
 
-It also holds what the engine-side benchmarks share (engine/benchmark_core.py): the 56M model, its
+It also holds what the engine-side benchmarks share (engine/bench/attention.py): the 56M model, its
 prompts, `Row`, `Clock`, the `generate` baseline and the machine description. It never imports
 server/: the words of `--save-model`'s tokenizer (the load generator's) are handed to `main` by
 `cellserve bench engine` (server/cli.py).
@@ -25,9 +25,9 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from engine.args import EngineArgs, build_engine
-from engine.runner import ModelRunner
-from engine.sampling_params import SamplingParams
+from engine.api.args import EngineArgs, build_engine
+from engine.api.sampling_params import SamplingParams
+from engine.model.runner import ModelRunner
 
 NATIVE = {"auto": None, "off": False}
 
@@ -236,7 +236,7 @@ def main(argv: list[str] | None = None, words: Iterable[str] = ()) -> int:
                     help="model dtype (bfloat16 uses the CPU's AVX512-BF16/AMX kernels where present)")
     ap.add_argument("--attention", default="fast", help="fast, reference, or both as 'fast,reference'")
     ap.add_argument("--native", default="auto", help="the fast path's native Llama-family forward: auto, off, "
-                    "or 'auto,off' to run both (engine/native.py)")
+                    "or 'auto,off' to run both (engine/model/native/model.py)")
     ap.add_argument("--hf-cb", default="8,32", help="concurrencies at which to run transformers generate_batch "
                     "('' to skip; it is slow on CPU)")
     ap.add_argument("--prefill-cap", default="", help="comma-separated prefill tokens per tick while sequences "

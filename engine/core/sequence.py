@@ -20,14 +20,14 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from engine.outputs import PromptLogprobs, RequestOutput, Timing
-from engine.sampling_params import SamplingParams
+from engine.api.outputs import PromptLogprobs, RequestOutput, Timing
+from engine.api.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # annotations only: torch, the detokenizer and the grammar stay out of the server's imports
     import torch
 
-    from engine.grammar import GrammarState
-    from engine.output_processor import IncrementalDetokenizer
+    from engine.core.output_processor import IncrementalDetokenizer
+    from engine.sample.grammar import GrammarState
 
 _tag = ""
 

@@ -4,8 +4,8 @@ The synchronous core. `step()` schedules a flat step (`Scheduler`), runs the mod
 cells (`ModelRunner`), samples every row that needs a token (`Sampler`), and turns the tokens into
 `RequestOutput` deltas for each request's `emit` callback (`OutputProcessor`). Commands (add, fork,
 cancel, delete, truncate) are plain method calls made between steps: admission rules live in
-`engine.sampling_params`, persistent-sequence verbs in `engine.persistent`. `AsyncEngine`
-(engine/async_engine.py) runs this on a thread and queues the commands to the step boundary.
+`engine.api.sampling_params`, persistent-sequence verbs in `engine.core.persistent`. `AsyncEngine`
+(engine/core/async_engine.py) runs this on a thread and queues the commands to the step boundary.
 """
 
 import logging
@@ -13,17 +13,17 @@ import time
 
 import torch
 
-from engine.args import EngineArgs
-from engine.errors import InvalidRequest, SequenceBusy
-from engine.output_processor import IncrementalDetokenizer, OutputProcessor
-from engine.outputs import EngineStats, PromptLogprobs, RequestOutput, SequenceInfo, TokenLogprob
-from engine.persistent import SequenceTable
-from engine.runner import FlatStep, ModelRunner, flatten_step
-from engine.sampling import Sampler, ScoredSequence, make_generator, take_prompt_logprobs
-from engine.sampling import prompt_rows as plp_rows
-from engine.sampling_params import Admission, SamplingParams
-from engine.scheduler import Chunk, Scheduler
-from engine.sequence import Request, Sequence, new_id
+from engine.api.args import EngineArgs
+from engine.api.errors import InvalidRequest, SequenceBusy
+from engine.api.outputs import EngineStats, PromptLogprobs, RequestOutput, SequenceInfo, TokenLogprob
+from engine.api.sampling_params import Admission, SamplingParams
+from engine.core.output_processor import IncrementalDetokenizer, OutputProcessor
+from engine.core.persistent import SequenceTable
+from engine.core.scheduler import Chunk, Scheduler
+from engine.core.sequence import Request, Sequence, new_id
+from engine.model.runner import FlatStep, ModelRunner, flatten_step
+from engine.sample.sampler import Sampler, ScoredSequence, make_generator, take_prompt_logprobs
+from engine.sample.sampler import prompt_rows as plp_rows
 
 log = logging.getLogger("cellserve.engine")
 
@@ -115,7 +115,7 @@ class Engine:
         self.outputs.cancel(req)
         return True
 
-    # ----- persistent sequences (engine.persistent) -------------------------------------------
+    # ----- persistent sequences (engine.core.persistent) -------------------------------------------
     def create_sequence(self, prompt_ids, emit=None) -> tuple[Sequence, Request]:
         """A new persistent sequence, prefilled as soon as it is scheduled (a max_tokens=0 request on it)."""
         seq = self.persistent.new()

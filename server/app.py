@@ -2,7 +2,7 @@
 the body-size limit and the engine's lifecycle, with the engine injected. The stateful routes live in
 `server.routes_sequences` and `server.routes_ops`.
 
-`build_app(engine, ...)` takes either a ready `AsyncEngine` (tests build a real one from a tiny
+`build_app(engine, ...)` takes either a ready `EngineClient` (an `AsyncEngine`) (tests build a real one from a tiny
 seeded model) or a zero-argument factory that builds one (the CLI: the model loads in a worker
 thread after the socket is open, and `/health` answers 503 until it is ready). The app starts the
 engine when it starts and shuts it down (finishing or cancelling in-flight work within the grace
@@ -22,7 +22,7 @@ from fastapi.responses import Response
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from engine.core.sequence import new_id
+from engine.api.ids import new_id
 from server import routes_ops, routes_sequences
 from server.chat import ChatFormatter, call_grammar, supports_tools, template_tools
 from server.context import EngineFactory, Limits, ServerContext
@@ -36,7 +36,7 @@ from server.protocol import (
 from server.serving import STREAMED_200, Formatter, GenerationRun, serve
 
 if TYPE_CHECKING:  # the server never imports the engine (torch) at run time; it is injected
-    from engine.core.async_engine import AsyncEngine
+    from engine.api.client import EngineClient
 
 log = logging.getLogger("cellserve.server")
 
@@ -113,10 +113,10 @@ async def _send_413(send: Send, message: str) -> None:
     await send({"type": "http.response.body", "body": body})
 
 
-def build_app(engine: Union["AsyncEngine", EngineFactory], *, served_model_name: str | None = None,
+def build_app(engine: Union["EngineClient", EngineFactory], *, served_model_name: str | None = None,
               api_key: str | None = None, shutdown_grace_s: float = 30.0, on_fatal=None,
               limits: Limits | None = None) -> FastAPI:
-    """The HTTP app over `engine` (an AsyncEngine, or a zero-argument callable that builds one).
+    """The HTTP app over `engine` (an EngineClient, or a zero-argument callable that builds one).
 
     `on_fatal(reason)` is called if the model fails to load or the engine loop dies (the CLI exits
     non-zero). With an `api_key` the interactive docs and the OpenAPI schema are off: every route but

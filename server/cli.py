@@ -109,9 +109,10 @@ def engine_factory(args: argparse.Namespace) -> Callable[[], object]:
 
     def build():
         from engine.core.async_engine import AsyncEngine  # torch-heavy; only when serving
+        from engine.loader.source import resolve_args
 
-        # a .gguf is converted once, a known name pulled once (EngineArgs.resolved)
-        engine_args, name = engine_args_of(args).resolved()
+        # a .gguf is converted once, a known name pulled once
+        engine_args, name = resolve_args(engine_args_of(args))
         log.info("loading model %s from %s%s", name, engine_args.model, "" if args.model else " (the bundled model)")
         engine = AsyncEngine.from_args(engine_args, model_name=name)
         pool = engine.n_cells * engine.cell_bytes
@@ -179,7 +180,8 @@ def _exit_now() -> None:
 
 def pull_command(name: str, dtype: str) -> int:
     """`cellserve pull NAME`: the folder on stdout; on failure one line on stderr and status 1."""
-    from engine.loader.source import ModelSourceError, resolve_model
+    from engine.api.errors import ModelSourceError
+    from engine.loader.source import resolve_model
 
     try:
         source = resolve_model(name, dtype)

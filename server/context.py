@@ -28,10 +28,10 @@ from server.errors import APIError
 log = logging.getLogger("cellserve.server")
 
 if TYPE_CHECKING:  # the server never imports the engine (torch) at run time; it is injected
-    from engine.core.async_engine import AsyncEngine
+    from engine.api.client import EngineClient
     from server.serving import GenerationRun
 
-EngineFactory = Callable[[], "AsyncEngine"]
+EngineFactory = Callable[[], "EngineClient"]
 
 
 # --- Request limits checked at the edge, before any expensive work: one source for each limit.
@@ -74,11 +74,11 @@ class Limits:
 
 
 class ServerContext:
-    def __init__(self, engine: Union["AsyncEngine", EngineFactory], *, served_model_name: str | None = None,
+    def __init__(self, engine: Union["EngineClient", EngineFactory], *, served_model_name: str | None = None,
                  api_key: str | None = None, shutdown_grace_s: float = 30.0,
                  on_fatal: Callable[[str], None] | None = None, limits: Limits | None = None):
         self._factory: EngineFactory | None = None if _is_engine(engine) else engine
-        self.engine: AsyncEngine | None = engine if _is_engine(engine) else None
+        self.engine: EngineClient | None = engine if _is_engine(engine) else None
         self.state = "loading"
         self.error: str | None = None
         self.served_model_name = served_model_name
@@ -112,7 +112,7 @@ class ServerContext:
             if self.on_fatal is not None:
                 self.on_fatal(self.error)
 
-    def _attach(self, engine: "AsyncEngine") -> None:
+    def _attach(self, engine: "EngineClient") -> None:
         self.engine = engine
         engine.on_failure = self._engine_failed
         self.tokens = TokenizerService(engine.tokenizer, max_model_len=engine.max_model_len)
@@ -143,7 +143,7 @@ class ServerContext:
         self.state = "stopped"
 
     # what routes use
-    def require_engine(self) -> "AsyncEngine":
+    def require_engine(self) -> "EngineClient":
         if self.state == "ready":
             return self.engine
         why = {

@@ -16,7 +16,7 @@ from fastapi import APIRouter, Body, Request
 from fastapi.responses import Response
 
 from engine.api.errors import EngineError
-from engine.core.sequence import new_id
+from engine.api.ids import new_id
 from server.context import ServerContext
 from server.protocol import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
 from server.protocol_sequences import (

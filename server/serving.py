@@ -32,8 +32,8 @@ from server.context import RequestObserver, ServerContext, ServerMetrics
 from server.errors import APIError, as_api_error, error_body
 
 if TYPE_CHECKING:  # types only: the server does not import the engine (torch) at run time
+    from engine.api.client import EngineClient
     from engine.api.sampling_params import SamplingParams
-    from engine.core.async_engine import AsyncEngine
 
 log = logging.getLogger("cellserve.server")
 
@@ -59,7 +59,7 @@ class ClientGone(Exception):
 
 
 class GenerationRun:
-    def __init__(self, engine: "AsyncEngine", request_id: str, prompts: list[list[int]], params: "SamplingParams", *,
+    def __init__(self, engine: "EngineClient", request_id: str, prompts: list[list[int]], params: "SamplingParams", *,
                  seq_id: str | None = None, metrics: ServerMetrics | None = None):
         self.engine = engine
         self.request_id = request_id

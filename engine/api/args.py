@@ -1,13 +1,12 @@
-"""EngineArgs: every engine limit and default in one place, and `build_engine`, the one way to make
-an engine from them.
+"""EngineArgs: every engine limit and default in one place.
 
 `LLM`, `AsyncEngine.from_pretrained`, the CLI (`cellserve serve` takes its flag defaults from here)
-and the benchmarks all go through `build_engine`, so a default changes in exactly one place. This
+and the benchmarks all go through `Engine.from_args` (engine/core/engine.py), so a default changes in exactly one place. This
 module imports no torch: the CLI reads the defaults without loading the engine.
 """
 
 import os
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 DEFAULT_SLOTS = 256  # sequence slots in the cell pool at least (persistent and cached sequences hold one)
@@ -39,14 +38,6 @@ class EngineArgs:
         """Cell-pool slots: room for every running sequence plus as many idle or cached ones."""
         return max(DEFAULT_SLOTS, 2 * self.max_num_seqs)
 
-    def resolved(self) -> tuple["EngineArgs", str]:
-        """These args with `model` resolved to a loadable folder (pulling or converting it if needed),
-        and the model's display name."""
-        from engine.loader.source import resolve_model
-
-        source = resolve_model(self.model, self.dtype)
-        return replace(self, model=source.path), source.name
-
     def runner_kwargs(self) -> dict:
         """What a `ModelRunner` takes from these args (the benchmarks build one over an in-memory model)."""
         return {"n_cells": self.n_cells, "kv_memory_bytes": self.kv_memory_bytes, "max_seqs": self.max_seqs,
@@ -62,13 +53,3 @@ def _env_int(name: str, default: int) -> int:
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not an integer") from None
 
-
-def build_engine(args: EngineArgs, runner=None):
-    """An `Engine` for `args` (loads the model unless a ready `ModelRunner` is given)."""
-    from engine.core.engine import Engine
-    from engine.model.runner import ModelRunner
-
-    if runner is None:
-        args, _ = args.resolved()
-        runner = ModelRunner.from_pretrained(args.model, dtype=args.dtype, **args.runner_kwargs())
-    return Engine(runner, args)

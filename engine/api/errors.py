@@ -50,3 +50,7 @@ class EngineUnavailable(EngineError):
     """The engine is loading, stopped, shutting down, or its loop died."""
 
     code = "unavailable"
+
+
+class ModelSourceError(ValueError):
+    """A model could not be found, fetched or converted; the message says why and what to do."""

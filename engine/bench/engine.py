@@ -16,8 +16,6 @@ server/: the words of `--save-model`'s tokenizer (the load generator's) are hand
 
 import argparse
 import json
-import os
-import platform
 import sys
 import time
 from collections.abc import Iterable
@@ -25,8 +23,10 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from engine.api.args import EngineArgs, build_engine
+from engine.api.args import EngineArgs
 from engine.api.sampling_params import SamplingParams
+from engine.bench.machine import machine
+from engine.core.engine import Engine
 from engine.model.runner import ModelRunner
 
 NATIVE = {"auto": None, "off": False}
@@ -129,7 +129,7 @@ def run_cellserve(model, prompts, output_len: int, attention: str, concurrency: 
     if prefill_cap is not None:
         args = replace(args, prefill_while_decoding=prefill_cap)
     runner = TimedRunner(model, **args.runner_kwargs(), native=native)
-    engine = build_engine(args, runner)
+    engine = Engine.from_args(args, runner)
     g = torch.Generator().manual_seed(2)
     lengths = (output_len * (1 - range_ratio + 2 * range_ratio * torch.rand(len(prompts), generator=g))).round()
     params = [SamplingParams(max_tokens=max(1, int(n)), temperature=0.0, ignore_eos=True) for n in lengths]
@@ -195,20 +195,6 @@ def run_hf_generate(model, prompts, output_len: int, streamer=None) -> Row:
                                  do_sample=False, pad_token_id=0, streamer=streamer)
             n += out.shape[1] - len(p)
     return Row("transformers generate (sequential)", 1, n, *clock.lap())
-
-
-def machine_info() -> dict:
-    """Where a benchmark ran, as torch sees it (call after `torch.set_num_threads`)."""
-    return {"platform": platform.platform(), "processor": platform.processor() or platform.machine(),
-            "cpu_count": os.cpu_count(), "python": platform.python_version(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(), "load_average": os.getloadavg() if hasattr(os, "getloadavg") else None}
-
-
-def machine() -> str:
-    """`machine_info` on one line."""
-    m = machine_info()
-    return (f"{m['platform']} | {m['processor']} | {m['threads']} torch threads of {m['cpu_count']} CPUs | "
-            f"torch {m['torch']}")
 
 
 def print_table(rows: list[Row], baseline: Row) -> None:

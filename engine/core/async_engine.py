@@ -23,12 +23,13 @@ import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
-from engine.api.args import EngineArgs, build_engine
+from engine.api.args import EngineArgs
 from engine.api.errors import EngineUnavailable, RequestNotFound
 from engine.api.outputs import CompletionOutput, EngineStats, RequestOutput, SequenceInfo
 from engine.api.sampling_params import SamplingParams
 from engine.core.engine import Engine
 from engine.core.output_processor import OutputDetokenizer, context_ids
+from engine.loader.source import resolve_args
 
 log = logging.getLogger("cellserve.engine")
 
@@ -106,15 +107,15 @@ class AsyncEngine:
     @classmethod
     def from_pretrained(cls, model: str | Path | None = None, *, model_name: str | None = None,
                         **engine_args) -> "AsyncEngine":
-        """Build `EngineArgs(model, **engine_args)` with `build_engine` on a new loop thread; `model` is
+        """Build `EngineArgs(model, **engine_args)` with `Engine.from_args` on a new loop thread; `model` is
         a folder, a .gguf file or a known model name (the bundled model when None), resolved here
         first (a pull or a conversion happens before the thread starts). Returned running."""
         return cls.from_args(EngineArgs(model=model, **engine_args), model_name=model_name)
 
     @classmethod
     def from_args(cls, args: EngineArgs, *, model_name: str | None = None) -> "AsyncEngine":
-        args, name = args.resolved()
-        return cls.launch(lambda: build_engine(args), model_name or name)
+        args, name = resolve_args(args)
+        return cls.launch(lambda: Engine.from_args(args), model_name or name)
 
     # ----- lifecycle -------------------------------------------------------------------------
     async def shutdown(self, grace_s: float = 5.0) -> None:

@@ -15,12 +15,15 @@ import torch
 
 from engine.api.args import EngineArgs
 from engine.api.errors import InvalidRequest, SequenceBusy
+from engine.api.ids import new_id
 from engine.api.outputs import EngineStats, PromptLogprobs, RequestOutput, SequenceInfo, TokenLogprob
-from engine.api.sampling_params import Admission, SamplingParams
+from engine.api.sampling_params import SamplingParams
+from engine.core.admission import Admission
 from engine.core.output_processor import IncrementalDetokenizer, OutputProcessor
 from engine.core.persistent import SequenceTable
 from engine.core.scheduler import Chunk, Scheduler
-from engine.core.sequence import Request, Sequence, new_id
+from engine.core.sequence import Request, Sequence
+from engine.loader.source import resolve_args
 from engine.model.runner import FlatStep, ModelRunner, flatten_step
 from engine.sample.sampler import Sampler, ScoredSequence, make_generator, take_prompt_logprobs
 from engine.sample.sampler import prompt_rows as plp_rows
@@ -55,6 +58,15 @@ class Engine:
                                    self.vocab_size, self.tokenizer, self.eos_ids)
         self.outputs = OutputProcessor(self.scheduler, self.requests, self.eos_ids)
         self.steps = self.generated_tokens = self.prompt_tokens = 0
+
+    @classmethod
+    def from_args(cls, args: EngineArgs, runner: ModelRunner | None = None) -> "Engine":
+        """The one way to build an engine: from `args` (loading the model unless a ready `ModelRunner`
+        is given). `LLM`, `AsyncEngine` and the benchmarks all come here."""
+        if runner is None:
+            args, _ = resolve_args(args)
+            runner = ModelRunner.from_pretrained(args.model, dtype=args.dtype, **args.runner_kwargs())
+        return cls(runner, args)
 
     @property
     def sequences(self) -> dict[str, Sequence]:

@@ -10,9 +10,10 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
-from engine.api.args import EngineArgs, build_engine
+from engine.api.args import EngineArgs
 from engine.api.outputs import CompletionOutput, RequestOutput
 from engine.api.sampling_params import SamplingParams
+from engine.core.engine import Engine
 from engine.model.runner import ModelRunner
 
 
@@ -32,7 +33,7 @@ class LLM:
         `EngineArgs` field (n_cells, dtype, threads, ...). Offline, nothing is ever refused for a full
         queue: every prompt given to `generate` is queued."""
         engine_args.setdefault("max_queue", 1 << 30)
-        self.engine = build_engine(EngineArgs(model=model, **engine_args), runner)
+        self.engine = Engine.from_args(EngineArgs(model=model, **engine_args), runner)
         self.tokenizer = self.engine.tokenizer
 
     def generate(self, prompts, params: SamplingParams | list[SamplingParams] | None = None,

@@ -9,9 +9,10 @@ verb, because it must first cancel the request running on it.
 import time
 
 from engine.api.errors import InvalidRequest, SequenceBusy, SequenceNotFound
+from engine.api.ids import new_id
 from engine.api.outputs import SequenceInfo
 from engine.core.scheduler import Scheduler
-from engine.core.sequence import Sequence, new_id
+from engine.core.sequence import Sequence
 
 
 class SequenceTable:

@@ -1,21 +1,15 @@
-"""Sequence and Request: what the scheduler moves around, and the ids they (and the server's requests) carry.
+"""Sequence and Request: what the scheduler moves around.
 
 A `Sequence` owns a cell slot while it holds cells, its token ids (the truth) and `n_cached`, how
 many of those tokens have cells. Its cells always hold exactly positions `[0, n_cached)`, so
 dropping them (eviction, preemption) loses nothing: the sequence re-prefills and continues with
 the same output. A `Request` is one generation call: one sequence per choice (`n > 1` forks
 children off the prompt), the sampling params, and where its outputs go.
-
-Ids: `<prefix>-<tag><32 hex>` (a uuid4), one scheme for the engine and the server. Unguessable, so a
-client cannot reach another client's sequence or cancel its request by counting; the prefix says what
-the id names (`cmpl`, `chatcmpl`, `seq`...). The tag is empty unless the process set one: a scale-out
-replica (server/ray_serve) marks every id it makes with itself, so a router can send later requests on
-that id back to the replica that holds it. Torch-free: the server imports `new_id` from here.
+Their ids come from `engine.api.ids`.
 """
 
 import enum
 import time
-import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -28,19 +22,6 @@ if TYPE_CHECKING:  # annotations only: torch, the detokenizer and the grammar st
 
     from engine.core.output_processor import IncrementalDetokenizer
     from engine.sample.grammar import GrammarState
-
-_tag = ""
-
-
-def set_tag(tag: str) -> None:
-    """Put `tag` after the prefix of every id this process makes from now on (one process, one tag)."""
-    global _tag
-    _tag = tag
-
-
-def new_id(prefix: str) -> str:
-    return f"{prefix}-{_tag}{uuid.uuid4().hex}"
-
 
 class SeqStatus(enum.Enum):
     WAITING = "waiting"  # wants to run, holds no slot in this step's running set yet

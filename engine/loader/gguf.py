@@ -20,7 +20,7 @@ import time
 import uuid
 from pathlib import Path
 
-from engine.loader.source import ModelSourceError
+from engine.api.errors import ModelSourceError
 
 GGUF_MAGIC = b"GGUF"
 # GGUF value types: struct format of the scalars; 8 = string, 9 = array.

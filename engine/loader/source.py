@@ -23,14 +23,13 @@ import subprocess
 import sys
 import tempfile
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from engine.api.args import EngineArgs
+from engine.api.errors import ModelSourceError
+
 _CHUNK = 1 << 20
-
-
-class ModelSourceError(ValueError):
-    """A model could not be found, fetched or converted; the message says why and what to do."""
 
 
 @dataclass(frozen=True)
@@ -288,3 +287,10 @@ def cached_models(home: Path | None = None) -> list[dict]:
         info["bytes"] = sum(f.stat().st_size for f in meta.parent.iterdir() if f.is_file())
         rows.append(info)
     return sorted(rows, key=lambda r: (r.get("name", ""), r.get("dtype", "")))
+
+
+def resolve_args(args: EngineArgs) -> tuple[EngineArgs, str]:
+    """`args` with `model` resolved to a loadable folder (pulling or converting it if needed), and the
+    model's display name."""
+    source = resolve_model(args.model, args.dtype)
+    return replace(args, model=source.path), source.name

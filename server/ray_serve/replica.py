@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator
 
 from ray import serve
 
-from engine.core.sequence import set_tag
+from engine.api.ids import set_tag
 from server.errors import error_body
 from server.ray_serve.routing import parse_id, replica_name, replica_tag, routed_id
 

@@ -17,8 +17,9 @@ import pytest
 import torch
 from http_support import LiveServer
 
+from engine.api.errors import ModelSourceError
 from engine.loader import source as model_source
-from engine.loader.source import KNOWN_MODELS, ModelSourceError, pull_model, resolve_model
+from engine.loader.source import KNOWN_MODELS, pull_model, resolve_model
 from server.cli import main
 
 NAME = "smollm2-135m-instruct"

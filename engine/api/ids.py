@@ -1,0 +1,21 @@
+"""Ids: `<prefix>-<tag><32 hex>` (a uuid4), one scheme for the engine and the server.
+
+Unguessable, so a client cannot reach another client's sequence or cancel its request by counting;
+the prefix says what the id names (`cmpl`, `chatcmpl`, `seq`...). The tag is empty unless the process
+set one: a scale-out replica (server/ray_serve) marks every id it makes with itself, so a router can
+send later requests on that id back to the replica that holds it.
+"""
+
+import uuid
+
+_tag = ""
+
+
+def set_tag(tag: str) -> None:
+    """Put `tag` after the prefix of every id this process makes from now on (one process, one tag)."""
+    global _tag
+    _tag = tag
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{_tag}{uuid.uuid4().hex}"

@@ -1,0 +1,82 @@
+"""Admission: what a request must pass before it is queued, checked up front so a refusal changes nothing.
+
+The rules: token ids inside the vocabulary, a prompt + `max_tokens` that fits the model's context and, with all its choices, the
+whole cell pool (admitting more would preempt everything else and still not fit), a queue with room,
+and a grammar that compiles. The fit rules read only constants, so the HTTP layer may call them from
+any thread before it submits; the grammar compiler is locked for the same reason (and loads xgrammar,
+and with it torch, only when a request first asks for structured output).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from engine.api.errors import InvalidRequest, PromptTooLong, QueueFull
+from engine.api.sampling_params import SamplingParams
+
+
+class Admission:
+    """The up-front checks of one engine (its model's context, its pool, its queue bound)."""
+
+    def __init__(self, max_model_len: int, n_cells: int, max_queue: int, vocab_size: int, tokenizer, eos_ids):
+        self.max_model_len = max_model_len
+        self.n_cells = n_cells
+        self.max_queue = max_queue
+        self.vocab_size = vocab_size
+        self.tokenizer = tokenizer
+        self.eos_ids = eos_ids
+        self._grammars = None  # engine.sample.grammar.GrammarCompiler, made on the first structured-output request
+        self._grammars_lock = threading.Lock()
+
+    def check_tokens(self, ids) -> None:
+        bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
+        if bad:
+            raise InvalidRequest(f"token id {bad[0]!r} is outside the vocabulary [0, {self.vocab_size})", "prompt")
+
+    def check_queue(self, n_waiting: int) -> None:
+        if n_waiting >= self.max_queue:
+            raise QueueFull(f"the waiting queue is full ({self.max_queue} requests); retry shortly")
+
+    def max_tokens_left(self, prompt_len: int, n: int = 1) -> int:
+        """The most tokens each of n choices can generate after `prompt_len` tokens: the model's context
+        left, and the pool shared by the n choices (the same rule `check_fits` enforces); at least 1."""
+        by_model = self.max_model_len - prompt_len
+        by_pool = (self.n_cells - prompt_len) // max(1, n)
+        return max(1, min(by_model, by_pool))
+
+    def check_fits(self, prompt_lens: list[int], max_tokens: int, n: int = 1) -> None:
+        """Refuse (PromptTooLong) what can never run: a prompt + max_tokens beyond the model's context,
+        or all prompts x n choices beyond the whole cell pool."""
+        limit = self.max_model_len
+        longest = max(prompt_lens)
+        if longest + max_tokens > limit:
+            raise PromptTooLong(
+                f"{longest} prompt tokens + max_tokens {max_tokens} exceed the model's context of {limit} tokens; "
+                "shorten the prompt or lower max_tokens", "max_tokens" if longest < limit else "prompt")
+        need = sum(prompt_lens) + len(prompt_lens) * n * max_tokens
+        if need > self.n_cells:
+            what = f"{len(prompt_lens)} prompts" if len(prompt_lens) > 1 else "the prompt"
+            raise PromptTooLong(
+                f"{what} ({sum(prompt_lens)} tokens) + {len(prompt_lens) * n} choices x max_tokens {max_tokens} "
+                f"need {need} cells, more than the whole cell pool ({self.n_cells} cells); send fewer "
+                "prompts or choices, lower max_tokens, or start the server with more cells", "prompt")
+
+    def compile_grammar(self, params: SamplingParams):
+        """The compiled grammar of a structured-output request (None without one), or InvalidRequest naming
+        its field. Thread-safe: the HTTP layer compiles in a worker thread before submitting, so a compile
+        (milliseconds; more for a big schema) does not stall the tick, and admission hits xgrammar's cache."""
+        if params.guided is None or not params.max_tokens:
+            return None
+        if self.tokenizer is None:
+            raise InvalidRequest("structured output needs the model's tokenizer, which this engine has not "
+                                 "loaded", params.guided.param)
+        with self._grammars_lock:
+            if self._grammars is None:  # xgrammar loads only when structured output is used
+                from engine.sample.grammar import GrammarCompiler
+
+                self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_ids)
+        return self._grammars.compile(params.guided)
+
+    def grammar_state(self, compiled):
+        """A fresh matcher for one choice of a request whose grammar `compile_grammar` made."""
+        return self._grammars.state(compiled)

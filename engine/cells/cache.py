@@ -10,14 +10,14 @@ ExecuTorch `CellReferenceCache`.
 into and reads from the pool: `begin_step` plans a forward (claims cells, computes what each query
 token may see) *before* the model runs, because transformers 5.x gives `update()` no positions.
 Every layer then scatters its K/V into the claimed cells and reads back the read window.
-`row_gather_for`, `gather_rows` and `windowed` read a plan's visibility per query row and per sliding
-window, for both attention paths (transformers' and the native one).
+What a plan holds and how each query row reads it lives in `engine/cells/plan.py`.
 """
 
-from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
+
+from engine.cells.plan import StepPlan
 
 DEFAULT_MAX_SEQS = 256
 
@@ -36,70 +36,6 @@ class CacheFull(CellCacheError):
         )
         self.needed = needed
         self.free = free
-
-
-@dataclass
-class StepPlan:
-    """Everything one forward needs, decided once for all layers.
-
-    `visible[i, j]` says query token i may attend read column j. Read columns are cells
-    `[0, read_len)`, or only the cells in `read_idx` when the step reads a compacted window.
-    """
-
-    cells: torch.Tensor  # [T] cell claimed by each token of the step (host, for metadata)
-    kv_cells: torch.Tensor  # the same on the K/V pools' device
-    seq_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    read_len: int
-    read_idx: torch.Tensor | None  # [C] cells read by this step (on the pools' device), or None: [0, read_len)
-    visible: torch.Tensor  # [T, C or read_len] bool
-    key_pos: torch.Tensor  # [C or read_len] position of each read column (for sliding windows)
-
-    @property
-    def n_tokens(self) -> int:
-        return int(self.cells.numel())
-
-
-# ----- what each query row sees (read by both attention paths) ----------------------------------
-GATHER_MAX_TOKENS = 128  # prefill-heavy steps stay dense: T x L gathered rows would cost more than they save
-
-
-@dataclass
-class RowGather:
-    """For each query row, the read columns it can see (`idx` [T, L], padded; `valid` marks real ones)."""
-
-    idx: torch.Tensor
-    valid: torch.Tensor
-
-
-def row_gather_for(plan: StepPlan, max_tokens: int | None = GATHER_MAX_TOKENS) -> RowGather | None:
-    """The per-row gather index, or None when the dense (compacted) window is as cheap (one row, rows
-    that see most of it, or more than `max_tokens` rows)."""
-    n_tok, n_cols = plan.visible.shape
-    if (max_tokens is not None and n_tok > max_tokens) or n_tok == 1:
-        return None
-    if int(plan.visible.sum(1).max()) * 2 > n_cols:
-        return None
-    return gather_rows(plan.visible)
-
-
-def gather_rows(visible: torch.Tensor) -> RowGather:
-    """Row i's visible columns, left-aligned and padded to the widest row."""
-    counts = visible.sum(1)
-    width = int(counts.max())
-    rows, cols = visible.nonzero(as_tuple=True)
-    rank = visible.cumsum(1)[rows, cols] - 1
-    idx = torch.zeros(visible.shape[0], width, dtype=torch.int64)
-    idx[rows, rank] = cols
-    valid = torch.arange(width)[None, :] < counts[:, None]
-    return RowGather(idx, valid)
-
-
-def windowed(plan: StepPlan, window: int | None) -> torch.Tensor:
-    """`plan.visible` narrowed to a sliding window of `window` positions (None: the full visibility)."""
-    if window is None:
-        return plan.visible
-    return plan.visible & (plan.key_pos[None, :] > plan.positions[:, None] - window)
 
 
 class CellLayer(CacheLayerMixin):

@@ -27,8 +27,8 @@ from engine.api.args import EngineArgs
 from engine.api.errors import EngineUnavailable, RequestNotFound
 from engine.api.outputs import CompletionOutput, EngineStats, RequestOutput, SequenceInfo
 from engine.api.sampling_params import SamplingParams
+from engine.core.detokenizer import OutputDetokenizer, context_ids
 from engine.core.engine import Engine
-from engine.core.output_processor import OutputDetokenizer, context_ids
 from engine.loader.source import resolve_args
 
 log = logging.getLogger("cellserve.engine")

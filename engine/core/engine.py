@@ -19,14 +19,16 @@ from engine.api.ids import new_id
 from engine.api.outputs import EngineStats, PromptLogprobs, RequestOutput, SequenceInfo, TokenLogprob
 from engine.api.sampling_params import SamplingParams
 from engine.core.admission import Admission
-from engine.core.output_processor import IncrementalDetokenizer, OutputProcessor
+from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.output_processor import OutputProcessor
 from engine.core.persistent import SequenceTable
+from engine.core.prompt_logprobs import prompt_rows as plp_rows
+from engine.core.prompt_logprobs import take_prompt_logprobs
 from engine.core.scheduler import Chunk, Scheduler
 from engine.core.sequence import Request, Sequence
 from engine.loader.source import resolve_args
 from engine.model.runner import FlatStep, ModelRunner, flatten_step
-from engine.sample.sampler import Sampler, ScoredSequence, make_generator, take_prompt_logprobs
-from engine.sample.sampler import prompt_rows as plp_rows
+from engine.sample.sampler import Sampler, make_generator
 
 log = logging.getLogger("cellserve.engine")
 
@@ -109,7 +111,7 @@ class Engine:
         if params.prompt_logprobs is not None:  # the first token has no logprob: nothing predicts it
             req.prompt_logprobs = PromptLogprobs(list(prompt_ids[:1]), [None], [None])
         if seq is None:
-            seq = (ScoredSequence if req.prompt_logprobs is not None else Sequence)(new_id("gen"), list(prompt_ids))
+            seq = Sequence(new_id("gen"), list(prompt_ids), shares_prefix=req.prompt_logprobs is None)
         else:
             seq.token_ids.extend(prompt_ids)
             req.persistent_seq = seq

@@ -20,7 +20,7 @@ from engine.api.sampling_params import SamplingParams
 if TYPE_CHECKING:  # annotations only: torch, the detokenizer and the grammar stay out of the server's imports
     import torch
 
-    from engine.core.output_processor import IncrementalDetokenizer
+    from engine.core.detokenizer import IncrementalDetokenizer
     from engine.sample.grammar import GrammarState
 
 class SeqStatus(enum.Enum):
@@ -52,6 +52,9 @@ class Sequence:
     last_used: float = field(default_factory=time.monotonic)
     admitted_at: float = 0.0  # monotonic order of admission, for "preempt the newest"
     lookup_done: bool = False  # the prefix cache was consulted since this sequence was last queued
+    # False: never take a cached prefix. A request that scores its prompt (prompt logprobs) needs every
+    # prompt row's logits from its own prefill, on first admission and after a preemption.
+    shares_prefix: bool = True
 
     @property
     def pending(self) -> int:

@@ -23,7 +23,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from engine.cells.cache import RowGather, StepPlan, windowed
+from engine.cells.plan import RowGather, StepPlan, windowed
 
 ATTENTION_PATHS = ("fast", "reference")
 

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from engine.cells.cache import DEFAULT_MAX_SEQS, CellCache, row_gather_for
+from engine.cells.cache import DEFAULT_MAX_SEQS, CellCache
+from engine.cells.plan import row_gather_for
 from engine.model.hf_attention import ATTENTION_PATHS, GATHER, build_mask, mask_spec_for
 from engine.model.native.model import NativeLlama, native_unsupported
 

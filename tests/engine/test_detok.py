@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-from engine.core.output_processor import IncrementalDetokenizer
+from engine.core.detokenizer import IncrementalDetokenizer
 
 CORPUS = [
     "The quick brown fox jumps over the lazy dog.",

@@ -26,7 +26,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from tiny_models import tiny_model
 
 from engine.api.sampling_params import SamplingParams
-from engine.core.scheduler import PrefixIndex
+from engine.core.prefix_index import PrefixIndex
 from engine.core.sequence import Sequence
 
 SYSTEM = prompt(40, seed=100)  # a shared "system prompt": 2 full blocks + 8 tokens

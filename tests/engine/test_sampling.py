@@ -10,7 +10,8 @@ import torch
 
 from engine.api.errors import InvalidRequest
 from engine.api.sampling_params import SamplingError, SamplingParams
-from engine.sample.sampler import Sampler, SampleResult, check_stop_token, make_generator
+from engine.core.output_processor import check_stop_token
+from engine.sample.sampler import Sampler, SampleResult, make_generator
 
 sample = Sampler()
 

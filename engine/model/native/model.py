@@ -43,7 +43,8 @@ from itertools import pairwise
 import torch
 import torch.nn.functional as F
 
-from engine.cells.cache import CellCache, RowGather, StepPlan, gather_rows, row_gather_for, windowed
+from engine.cells.cache import CellCache
+from engine.cells.plan import RowGather, StepPlan, gather_rows, row_gather_for, windowed
 from engine.model.hf_attention import MaskSpec
 from engine.model.kernels import build as kernels
 

@@ -1,0 +1,62 @@
+"""Prompt logprobs (echo + logprobs, vLLM's prompt_logprobs, lm-eval's loglikelihood) come from the same
+step's logits: `prompt_rows` says which rows a step keeps for them, `take_prompt_logprobs` turns those
+rows into the logprobs of the prompt tokens they predict. A request that asks scores every prompt token
+but the first (nothing predicts it) from the logits its own prefill computes, chunk by chunk, with one
+log_softmax / gather / top-k per chunk (no loop over tokens beyond building the output lists); its
+sequence never takes a cached prefix (`Sequence.shares_prefix` is False), so no row is skipped; a row that was never
+computed is an error, never a silent gap.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.core.scheduler import Chunk
+
+
+def prompt_rows(chunks: list[Chunk]) -> dict[int, int]:
+    """id(chunk) -> how many of its first rows predict prompt tokens of a request that wants their
+    logprobs (positions up to the prompt's second-to-last token; the last one's row samples)."""
+    out = {}
+    for c in chunks:
+        req = c.seq.request
+        if req is not None and req.prompt_logprobs is not None and c.seq.index == 0:
+            k = min(c.start + c.n_tokens, len(req.prompt_ids) - 1) - c.start
+            if k > 0:
+                out[id(c)] = k
+    return out
+
+
+def take_prompt_logprobs(chunks: list[Chunk], rows: dict[int, int], logits) -> None:
+    """Append the logprobs of the prompt tokens these chunks' rows predict (row p predicts token p+1):
+    one log_softmax, gather and top-k per chunk. Rows already taken (a re-prefill after preemption)
+    are skipped; rows never computed are an error, never a silent gap."""
+    at = 0
+    for c in chunks:
+        k = rows[id(c)]
+        block, at = logits[at : at + k], at + k
+        req = c.seq.request
+        if req is None or req.finished:
+            continue
+        plp = req.prompt_logprobs
+        have = len(plp.logprobs) - 1  # rows taken so far: positions [0, have)
+        if c.start > have:
+            raise RuntimeError(f"prompt logprobs of positions [{have}, {c.start}) were never computed")
+        skip = have - c.start
+        if skip >= k:
+            continue
+        targets = c.seq.token_ids[c.start + skip + 1 : c.start + k + 1]
+        lp = torch.log_softmax(block[skip:].float(), dim=-1)
+        chosen_t = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])
+        ranks = ((lp > chosen_t).sum(dim=-1) + 1).tolist()
+        chosen = chosen_t[:, 0].tolist()
+        n_top = req.params.prompt_logprobs
+        if n_top:
+            top_v, top_i = lp.topk(n_top, dim=-1)
+            tops = [list(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
+        else:
+            tops = [[] for _ in targets]
+        plp.token_ids.extend(targets)
+        plp.logprobs.extend(chosen)
+        plp.top.extend(tops)
+        plp.ranks.extend(ranks)

@@ -35,7 +35,7 @@ import torch
 
 import engine.model.runner as runner_mod
 from engine.api.args import EngineArgs
-from engine.bench.engine import Clock, bench_llama_56m, prompts_for, run_hf_generate
+from engine.bench.common import Clock, bench_llama_56m, prompts_for, run_hf_generate
 from engine.bench.machine import machine_info
 from engine.model.runner import ModelRunner
 

@@ -27,7 +27,8 @@ from engine.core.prompt_logprobs import take_prompt_logprobs
 from engine.core.scheduler import Chunk, Scheduler
 from engine.core.sequence import Request, Sequence
 from engine.loader.source import resolve_args
-from engine.model.runner import FlatStep, ModelRunner, flatten_step
+from engine.model.flat_step import FlatStep, flatten_step
+from engine.model.runner import ModelRunner
 from engine.sample.sampler import Sampler, make_generator
 
 log = logging.getLogger("cellserve.engine")

@@ -44,7 +44,7 @@ class Chunk:
 
 
 @dataclass
-class TickPlan:
+class StepBudget:
     """One tick being planned: the chunks chosen so far (insertion-ordered; sequences hash by
     identity), their tokens, and the sequences preempted to make room in this very tick."""
 
@@ -253,7 +253,7 @@ class Scheduler:
 
     # ----- one tick --------------------------------------------------------------------------
     def schedule(self) -> list[Chunk]:
-        plan = TickPlan()
+        plan = StepBudget()
         budget = self.max_num_batched_tokens
         wants = [s.cache_target() - s.n_cached for s in self.running]
         decoding = wants.count(1)
@@ -304,10 +304,10 @@ class Scheduler:
             history = len(seq.token_ids) - len(req.prompt_ids)
             req.cached_tokens = max(0, shared - history)
 
-    def _need(self, plan: TickPlan, n: int) -> int:
+    def _need(self, plan: StepBudget, n: int) -> int:
         return plan.tokens + n - self.cache.free_cells()
 
-    def _room_for_running(self, plan: TickPlan, seq: Sequence, n: int) -> bool:
+    def _room_for_running(self, plan: StepBudget, seq: Sequence, n: int) -> bool:
         while not self.cache.can_extend(plan.tokens + n):
             if self._evict_one(need=self._need(plan, n)):
                 continue
@@ -319,7 +319,7 @@ class Scheduler:
                 return False
         return True
 
-    def _room_for_waiting(self, plan: TickPlan, seq: Sequence, n: int) -> bool:
+    def _room_for_waiting(self, plan: StepBudget, seq: Sequence, n: int) -> bool:
         if not self.acquire_slot(seq):
             return False
         while not self.cache.can_extend(plan.tokens + n):

@@ -15,6 +15,7 @@ transformers returns an explicit 4D mask untouched, so the mask is the whole int
 type for hybrid sliding-window models (Qwen2 with `use_sliding_window`).
 """
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -26,10 +27,6 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 from engine.cells.plan import RowGather, StepPlan, windowed
 
 ATTENTION_PATHS = ("fast", "reference")
-
-# Without it sdpa copies the whole read window per layer (repeat_kv) for GQA models whenever a mask
-# is given; with it sdpa uses enable_gqa, numerically the same and faster on CPU.
-os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
 
 
 @dataclass(frozen=True)
@@ -110,5 +107,12 @@ def cell_gather_attention(module, query, key, value, attention_mask, scaling=Non
     return out.permute(1, 0, 2, 3).reshape(1, n_tok, n_heads, head_dim), None  # [1, T, H, D]
 
 
-AttentionInterface.register(GATHER, cell_gather_attention)
-AttentionMaskInterface.register(GATHER, sdpa_mask)  # only used when a model builds its own mask (oracle runs)
+@functools.cache
+def register_cell_attention() -> None:
+    """Make `cell_gather` an attention implementation transformers knows; done once, when the first
+    runner that uses it is built (never at import)."""
+    # Without it sdpa copies the whole read window per layer (repeat_kv) for GQA models whenever a mask
+    # is given; with it sdpa uses enable_gqa, numerically the same and faster on CPU. Read per call.
+    os.environ.setdefault("TRANSFORMERS_SDPA_FORCE_GQA", "1")
+    AttentionInterface.register(GATHER, cell_gather_attention)
+    AttentionMaskInterface.register(GATHER, sdpa_mask)  # only used when a model builds its own mask (oracle runs)

@@ -4,23 +4,26 @@ One forward takes the tokens of many sequences on one token axis (batch 1). The 
 step on the `CellCache` (claims cells, builds the visibility mask), calls the model with explicit
 `position_ids` and 4D mask, and returns logits only for the rows asked for. If the forward raises,
 the cells the step claimed are released, so the cache is exactly as it was before the call.
-
-Callers describe a step as `{seq_id: (token_ids, start_pos)}` and `flatten_step` builds the parallel
-arrays (the ExecuTorch cell cache's helper of the same name): each sequence's tokens stay contiguous
-and in order, so the row of its last token is where its next-token logits come from.
+A step arrives as a `FlatStep` (engine/model/flat_step.py).
 """
 
 import inspect
 import os
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from engine.cells.cache import DEFAULT_MAX_SEQS, CellCache
 from engine.cells.plan import row_gather_for
-from engine.model.hf_attention import ATTENTION_PATHS, GATHER, build_mask, mask_spec_for
+from engine.loader.hf import load_hf_folder
+from engine.model.flat_step import FlatStep, flatten_step
+from engine.model.hf_attention import (
+    ATTENTION_PATHS,
+    GATHER,
+    build_mask,
+    mask_spec_for,
+    register_cell_attention,
+)
 from engine.model.native.model import NativeLlama, native_unsupported
 
 DEFAULT_N_CELLS = 8192
@@ -38,40 +41,6 @@ def kv_bytes_per_cell(config, dtype: torch.dtype) -> int:
 def max_model_len(config) -> int:
     cfg = config.get_text_config()
     return int(getattr(cfg, "max_position_embeddings", 0) or getattr(cfg, "n_positions", 0) or 2048)
-
-
-@dataclass
-class FlatStep:
-    tokens: torch.Tensor  # [T] token ids
-    positions: torch.Tensor  # [T]
-    seq_ids: torch.Tensor  # [T]
-    logits_indices: torch.Tensor  # [S] row of each sequence's last token, in dict order
-
-
-def flatten_step(chunks: dict[int, tuple[list[int], int]]) -> FlatStep:
-    """Flatten `{seq_id: (token_ids, start_pos)}` into one token axis.
-
-    Raises ValueError for an empty step or an empty chunk, which would give a sequence no row.
-    """
-    if not chunks:
-        raise ValueError("empty step: give at least one sequence with at least one token")
-    lengths = []
-    for seq_id, (token_ids, start) in chunks.items():
-        if len(token_ids) == 0:
-            raise ValueError(f"sequence {seq_id} has no tokens in this step: drop it from the step")
-        if start < 0:
-            raise ValueError(f"sequence {seq_id} starts at negative position {start}")
-        lengths.append(len(token_ids))
-    lens = torch.tensor(lengths, dtype=torch.int64)
-    starts = torch.tensor([start for _, start in chunks.values()], dtype=torch.int64)
-    ids = torch.tensor(list(chunks.keys()), dtype=torch.int64)
-    # One tensor per sequence, concatenated: a loop over sequences, never over the step's tokens.
-    tokens = torch.cat([torch.as_tensor(token_ids, dtype=torch.int64) for token_ids, _ in chunks.values()])
-    offsets = torch.cumsum(lens, 0) - lens  # first row of each chunk
-    seq_ids = torch.repeat_interleave(ids, lens)
-    row = torch.arange(int(lens.sum()))
-    positions = torch.repeat_interleave(starts - offsets, lens) + row
-    return FlatStep(tokens, positions, seq_ids, offsets + lens - 1)
 
 
 class ModelRunner:
@@ -107,6 +76,7 @@ class ModelRunner:
         self.model = model.eval()
         self.gather = attention == "fast" and model.config._attn_implementation == "sdpa"
         if self.gather:  # sdpa models get the per-row gather kernel; it falls back to sdpa by itself
+            register_cell_attention()
             model.set_attn_implementation(GATHER)
         self.tokenizer = tokenizer
         self.config = model.config
@@ -145,15 +115,7 @@ class ModelRunner:
         `dtype="auto"` keeps the checkpoint's dtype (as vLLM's default); a name like "bfloat16" or a
         torch dtype forces one. On CPUs with AVX512-BF16/AMX, bfloat16 runs about twice as fast.
         """
-        path = Path(path)
-        if not (path / "config.json").is_file():
-            raise FileNotFoundError(f"{path} is not a model folder: it has no config.json")
-        if isinstance(dtype, str) and dtype != "auto":
-            dtype = getattr(torch, dtype)
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
-        ).to(device)
-        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        model, tokenizer = load_hf_folder(path, dtype=dtype, attn_implementation=attn_implementation, device=device)
         return cls(model, tokenizer, **kwargs)
 
     @property

@@ -3,7 +3,8 @@ the gap between a stream's tokens are reported (a smoke test of the measurement,
 
 from tiny_models import tiny_model
 
-from engine.bench.engine import print_table, prompts_for, run_cellserve
+from engine.bench.common import prompts_for
+from engine.bench.engine import print_table, run_cellserve
 
 
 def test_closed_loop_reports_paths_and_gaps(capsys):

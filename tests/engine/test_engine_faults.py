@@ -14,7 +14,7 @@ from engine_support import (
 from tiny_models import tiny_model
 
 from engine.api.sampling_params import SamplingParams
-from engine.model.native.model import Attend
+from engine.model.native.attention import Attend
 
 
 class Boom(RuntimeError):

@@ -11,7 +11,8 @@ from tiny_models import full_logits, tiny_model
 
 from engine.model.kernels import build as kernels
 from engine.model.native import model as native_mod
-from engine.model.native.model import Attend
+from engine.model.native.attention import Attend
+from engine.model.native.linear import Linear
 from engine.model.runner import ModelRunner
 
 ATOL = 1e-4
@@ -111,8 +112,8 @@ def test_linear_fallback_matches_packed():
     torch.manual_seed(0)
     w, b = torch.randn(24, 16), torch.randn(24)
     x, other = torch.randn(3, 16), torch.randn(3, 24)
-    packed = native_mod.Linear([w], b)
-    plain = native_mod.Linear([w], b)
+    packed = Linear([w], b)
+    plain = Linear([w], b)
     plain.packed, plain.weight = None, w
     for fn in ("__call__", "silu"):
         torch.testing.assert_close(getattr(packed, fn)(x), getattr(plain, fn)(x), atol=1e-5, rtol=1e-5)
@@ -126,8 +127,8 @@ def test_linear_small_rows_match_packed():
     assert kernels.load(), kernels.why_not()
     torch.manual_seed(0)
     parts, b = [torch.randn(24, 40), torch.randn(8, 40), torch.randn(8, 40)], torch.randn(40)
-    ref = native_mod.Linear(parts, b)
-    small = native_mod.Linear(parts, b)
+    ref = Linear(parts, b)
+    small = Linear(parts, b)
     small.small = True
     assert all(p.data_ptr() == q.data_ptr() for p, q in zip(parts, small.parts)), "weights must be read in place"
     one, three = torch.randn(1, 40), torch.randn(3, 40)

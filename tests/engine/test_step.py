@@ -2,7 +2,7 @@
 
 import pytest
 
-from engine.model.runner import flatten_step
+from engine.model.flat_step import flatten_step
 
 
 def test_flatten_keeps_chunks_contiguous_and_points_at_last_rows():

@@ -36,17 +36,16 @@ A step without a prefill chunk is one part (mode `cells`, `gather` or `dense`); 
 mode `split`: one `sdpa` part per chunk and one `cells` or `gather` part for all one-row queries.
 """
 
-import time
-from dataclasses import dataclass
-from itertools import pairwise
 
 import torch
 import torch.nn.functional as F
 
 from engine.cells.cache import CellCache
-from engine.cells.plan import RowGather, StepPlan, gather_rows, row_gather_for, windowed
+from engine.cells.plan import StepPlan
 from engine.model.hf_attention import MaskSpec
 from engine.model.kernels import build as kernels
+from engine.model.native.attention import Attend
+from engine.model.native.linear import Linear, cat_bias, fused_linear
 
 NATIVE_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -68,107 +67,6 @@ def native_unsupported(model) -> str | None:
     return None
 
 
-class Linear:
-    """`y = x @ W.T + b` for 2-D `x`, optionally with a fused epilogue, from a weight packed once.
-
-    oneDNN's packed linear reads the weight in its preferred blocked layout (no per-call reorder)
-    and fuses SiLU / a product / a sum into the same pass over the output; without oneDNN support
-    for the dtype it is `F.linear` plus the same epilogue in eager ops (same result). With `small`
-    on (the fused kernels loaded, `NativeLlama.fused`), one-row calls (a decode step of one sequence)
-    go to `torch.ops.cellserve.small_linear` instead, which streams `parts` (the model's own weights,
-    read in place) once at about twice oneDNN's speed at one row (engine/model/kernels/csrc/small_linear.cpp).
-    """
-
-    def __init__(self, weights: list[torch.Tensor], bias: torch.Tensor | None = None, gemv: bool = False):
-        self.parts = [w.detach().contiguous() for w in weights]
-        w = self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
-        self.bias = None if bias is None else bias.detach().contiguous()
-        self.packed = _pack(w)
-        # The packed copy replaces the weight, unless one-row calls read it as a GEMV (the LM head:
-        # `W @ x` streams W's rows once; on AVX2 fp32 about twice as fast as the GEMM kernels at
-        # M=1, on AVX512-BF16 in bf16 about half as fast as the packed kernel: timed once, here).
-        self.gemv = gemv and (self.packed is None or _gemv_faster(w, self.packed))
-        self.weight = w if self.packed is None or self.gemv else None
-        self.small = False
-
-    def is_small(self, x: torch.Tensor) -> bool:
-        """Whether this call goes to the small-row kernel (measured faster at one row only: at 2-4
-        rows it ties oneDNN on MLP weights and loses on the LM head)."""
-        return self.small and x.shape[0] == 1
-
-    def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        if self.is_small(x):
-            return torch.ops.cellserve.small_linear(x, self.parts, self.bias, None, "none")
-        if self.gemv and x.shape[0] == 1 and self.bias is None:
-            return torch.mm(self.weight, x.t()).t()
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-        return F.linear(x, self.weight, self.bias)
-
-    def silu(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "swish", [], "")
-        return F.silu(F.linear(x, self.weight, self.bias))
-
-    def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        """`linear(x) * other`."""
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "mul")
-        return F.linear(x, self.weight, self.bias).mul_(other)
-
-    def plus(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
-        """`other + linear(x)` (the residual add)."""
-        if self.is_small(x):
-            return torch.ops.cellserve.small_linear(x, self.parts, self.bias, other, "add")
-        if self.packed is not None:
-            return torch.ops.mkldnn._linear_pointwise.binary(x, other, self.packed, self.bias, "add")
-        return F.linear(x, self.weight, self.bias).add_(other)
-
-
-def _gemv_faster(w: torch.Tensor, packed: torch.Tensor) -> bool:
-    """Whether `W @ x` beats the packed kernel at one row for this weight (best of 3 each)."""
-    x = torch.randn(1, w.shape[1], dtype=w.dtype)
-
-    def best(fn) -> float:
-        fn()
-        times = []
-        for _ in range(3):
-            t = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t)
-        return min(times)
-
-    with torch.inference_mode():
-        return best(lambda: torch.mm(w, x.t())) < best(
-            lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
-
-
-def _pack(w: torch.Tensor) -> torch.Tensor | None:
-    if w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
-        return None
-    if w.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
-        return None  # no AVX512-BF16: oneDNN refuses; eager bf16 matmul is the fallback
-    if w.dtype not in (torch.float32, torch.bfloat16):
-        return None
-    try:
-        return torch.ops.mkldnn._reorder_linear_weight(w, None)
-    except RuntimeError:
-        return None
-
-
-def _cat_bias(*mods) -> torch.Tensor | None:
-    """The biases of linears whose outputs are concatenated (zeros for those without), or None."""
-    if all(m.bias is None for m in mods):
-        return None
-    return torch.cat([m.bias if m.bias is not None else torch.zeros(m.out_features, dtype=m.weight.dtype)
-                      for m in mods])
-
-
-def _linear(*mods, gemv: bool = False) -> Linear:
-    """One `Linear` computing the concatenated outputs of the given `nn.Linear`s."""
-    return Linear([m.weight for m in mods], _cat_bias(*mods), gemv)
-
-
 class _Layer:
     """One decoder layer's fused weights and the window its attention uses."""
 
@@ -176,11 +74,11 @@ class _Layer:
         attn, mlp = layer.self_attn, layer.mlp
         self.ln1, self.eps1 = layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon
         self.ln2, self.eps2 = layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon
-        self.qkv = _linear(attn.q_proj, attn.k_proj, attn.v_proj)
-        self.o = _linear(attn.o_proj)
-        self.gate, self.up = _linear(mlp.gate_proj), _linear(mlp.up_proj)
-        self.gate_up_bias = _cat_bias(mlp.gate_proj, mlp.up_proj)
-        self.down = _linear(mlp.down_proj)
+        self.qkv = fused_linear(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.o = fused_linear(attn.o_proj)
+        self.gate, self.up = fused_linear(mlp.gate_proj), fused_linear(mlp.up_proj)
+        self.gate_up_bias = cat_bias(mlp.gate_proj, mlp.up_proj)
+        self.down = fused_linear(mlp.down_proj)
         self.scale = attn.scaling
         self.window = window
 
@@ -218,7 +116,7 @@ class NativeLlama:
         self.windows = sorted(set(windows), key=lambda w: -1 if w is None else w)
         self.embed = base.embed_tokens.weight.detach()
         self.norm, self.norm_eps = base.norm.weight.detach(), base.norm.variance_epsilon
-        self.head = _linear(model.lm_head, gemv=True)
+        self.head = fused_linear(model.lm_head, gemv=True)
         self.rotary = base.rotary_emb
         attn = base.layers[0].self_attn
         self.head_dim = attn.head_dim
@@ -284,145 +182,3 @@ def _eager_rope(cos: torch.Tensor, sin: torch.Tensor, head_dim: int):
     """cos `[T, 1, D]` and sin `[T, 1, D]` with rotate_half's sign folded in (for `roll`)."""
     half = head_dim // 2
     return cos[0, :, None, :], torch.cat([-sin[0, :, :half], sin[0, :, half:]], -1)[:, None, :]
-
-
-# ----- attention over the pools ------------------------------------------------------------------
-@dataclass
-class _Part:
-    """Some rows of a step, the pool cells they read (None: the prefix [0, read_len)) and their mask
-    per attention window, in the form `kind` needs (see the module docstring)."""
-
-    kind: str
-    rows: slice | torch.Tensor
-    cells: torch.Tensor | None
-    masks: dict
-    width: int | None = None  # gather: cells per row
-
-
-class Attend:
-    """One step's attention plan (see the module docstring); `__call__` runs it for one layer."""
-
-    def __init__(self, plan: StepPlan, n_kv: int, group: int, windows, device, fused: bool = False):
-        n_tok = plan.visible.shape[0]
-        self.n_tok, self.n_kv, self.group, self.read_len = n_tok, n_kv, group, plan.read_len
-        ids = plan.seq_ids
-        bounds = [0, *((ids[1:] != ids[:-1]).nonzero().flatten() + 1).tolist(), n_tok]
-        seen = {w: windowed(plan, w) for w in windows}  # [T, C] visibility per attention window
-        if len(bounds) - 1 < n_tok:  # some sequence brings several rows: a prefill chunk
-            self.mode = "split"
-            self.parts = _split_parts(plan, seen, bounds, n_kv, group, device, fused)
-            return
-        everyone = slice(None)
-        gather = None if fused else row_gather_for(plan, max_tokens=None)
-        if fused:
-            part = _cell_part(plan, seen, everyone, device)
-        elif gather is not None:
-            part = _gather_part(plan, seen, gather, everyone, n_kv, group, device)
-        else:
-            masks = {w: _additive(m).repeat_interleave(group, 0)[None].to(device) for w, m in seen.items()}
-            part = _Part("dense", everyone, plan.read_idx, masks)
-        self.mode, self.parts = part.kind, [part]
-
-    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window) -> torch.Tensor:
-        """q `[T, Hq, D]` -> attention output `[T, Hq*D]`."""
-        if self.mode != "split":  # one part, every row
-            return self._run(self.parts[0], q, keys, values, scale, window)
-        out = q.new_empty(self.n_tok, q.shape[1] * q.shape[2])
-        for part in self.parts:
-            out[part.rows] = self._run(part, q[part.rows], keys, values, scale, window)
-        return out
-
-    def _run(self, part: _Part, q, keys, values, scale, window) -> torch.Tensor:
-        """One part's rows of q `[t, Hq, D]` -> `[t, Hq*D]`."""
-        mask = part.masks[window]
-        if part.kind == "cells":
-            return torch.ops.cellserve.cell_attention(q.contiguous(), keys, values, part.cells, mask, scale)
-        k, v = self._read(keys, part.cells), self._read(values, part.cells)
-        if part.kind == "sdpa":
-            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
-                                               scale=scale, enable_gqa=self.group > 1)
-            return o[0].transpose(0, 1).reshape(o.shape[2], -1)
-        return self._bmm(q, k, v, mask, scale, part.width)
-
-    def _read(self, pool: torch.Tensor, cells: torch.Tensor | None) -> torch.Tensor:
-        """The K or V rows read, `[Hkv, t*L or C, D]`."""
-        if cells is None:
-            return pool[0, :, : self.read_len]
-        return pool[0].index_select(1, cells)
-
-    def _bmm(self, q, k, v, bias, scale, width):
-        """Scores, softmax and values by batched matmuls: per row over `width` gathered cells, or every
-        row over the same window (`width` None)."""
-        n_tok, n_kv, group, head_dim = q.shape[0], self.n_kv, self.group, q.shape[-1]
-        dtype = q.dtype
-        if dtype != torch.float32 and n_tok == 1:
-            # One decoding row: torch's CPU bf16 bmm builds a oneDNN primitive for every new key
-            # length (every step), ~10x the work; fp32 copies of so few rows cost less. With more
-            # rows the bf16 kernels win (measured: 32 rows 2.3x slower in fp32).
-            q, k, v = q.float(), k.float(), v.float()
-        q = q.reshape(n_tok, n_kv, group, head_dim).transpose(0, 1)  # [Hkv, T, G, D]
-        if width is not None:
-            q = q.reshape(n_kv * n_tok, group, head_dim)
-            k = k.view(n_kv * n_tok, width, head_dim)
-            v = v.view(n_kv * n_tok, width, head_dim)
-        else:
-            q = q.reshape(n_kv, n_tok * group, head_dim)
-        probs = _softmax_scores(q, k, bias, scale).to(v.dtype)
-        out = torch.bmm(probs, v)  # [Hkv*T, G, D] or [Hkv, T*G, D]
-        return out.view(n_kv, n_tok, group, head_dim).transpose(0, 1).reshape(n_tok, -1).to(dtype)
-
-
-def _split_parts(plan: StepPlan, seen: dict, bounds: list[int], n_kv: int, group: int, device,
-                 fused: bool) -> list[_Part]:
-    """One sdpa part per multi-row chunk (rows `bounds[i]:bounds[i+1]`), one part for all one-row ones."""
-    parts, singles = [], []
-    read_idx = None if plan.read_idx is None else plan.read_idx.cpu()
-    for a, b in pairwise(bounds):
-        if b - a == 1:
-            singles.append(a)
-            continue
-        cols = plan.visible[a:b].any(0).nonzero().flatten()
-        cells = cols if read_idx is None else read_idx[cols]
-        masks = {w: mask[a:b, cols][None, None].to(device) for w, mask in seen.items()}
-        parts.append(_Part("sdpa", slice(a, b), cells.to(device), masks))
-    if singles:
-        rows = torch.tensor(singles)
-        part = (_cell_part(plan, seen, rows, device) if fused else
-                _gather_part(plan, seen, gather_rows(plan.visible[rows]), rows, n_kv, group, device))
-        part.rows = rows.to(device)
-        parts.append(part)
-    return parts
-
-
-def _row_cells(plan: StepPlan, seen: dict, gather: RowGather, rows):
-    """The pool cells `[t, L]` the given one-row queries read (padded) and their biases `[t, L]` per window."""
-    idx = gather.idx if plan.read_idx is None else plan.read_idx.cpu()[gather.idx]
-    return idx, {w: _additive(torch.gather(mask[rows], 1, gather.idx) & gather.valid) for w, mask in seen.items()}
-
-
-def _cell_part(plan: StepPlan, seen: dict, rows, device) -> _Part:
-    """The fused kernel's part: cells `[t, L]` read in place, biases `[t, L]`."""
-    idx, bias = _row_cells(plan, seen, gather_rows(plan.visible[rows]), rows)
-    return _Part("cells", rows, idx.to(device), {w: b.to(device) for w, b in bias.items()})
-
-
-def _gather_part(plan: StepPlan, seen: dict, gather: RowGather, rows, n_kv: int, group: int, device) -> _Part:
-    """The eager part: cells `[t*L]` copied out, biases expanded to `[Hkv*t, G, L]` for the bmm."""
-    idx, bias = _row_cells(plan, seen, gather, rows)
-    n_tok, width = idx.shape
-    masks = {w: b[None, :, None, :].expand(n_kv, n_tok, group, width).reshape(n_kv * n_tok, group, width).to(device)
-             for w, b in bias.items()}
-    return _Part("gather", rows, idx.reshape(-1).to(device), masks, width)
-
-
-def _softmax_scores(q, k, bias, scale):
-    if q.dtype == torch.float32:
-        scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=scale)
-    else:  # low precision: accumulate the scores and the softmax in fp32
-        scores = torch.bmm(q, k.transpose(1, 2)).float().mul_(scale).add_(bias)
-    return torch.softmax(scores, dim=-1)
-
-
-def _additive(seen: torch.Tensor) -> torch.Tensor:
-    """0 where visible, -inf elsewhere; fp32, since scores are fp32 whatever the model dtype."""
-    return torch.zeros(seen.shape, dtype=torch.float32).masked_fill_(~seen, float("-inf"))

@@ -1,0 +1,154 @@
+"""Attend: how a step's queries read the cell pools, planned once a step for every layer.
+
+The parts (`cells`, `gather`, `dense`, `sdpa`) and when each is chosen are described in
+engine/model/native/model.py's docstring; this file holds the plan and the code that runs it.
+"""
+
+from dataclasses import dataclass
+from itertools import pairwise
+
+import torch
+import torch.nn.functional as F
+
+from engine.cells.plan import RowGather, StepPlan, gather_rows, row_gather_for, windowed
+
+
+@dataclass
+class _Part:
+    """Some rows of a step, the pool cells they read (None: the prefix [0, read_len)) and their mask
+    per attention window, in the form `kind` needs (see the module docstring)."""
+
+    kind: str
+    rows: slice | torch.Tensor
+    cells: torch.Tensor | None
+    masks: dict
+    width: int | None = None  # gather: cells per row
+
+
+class Attend:
+    """One step's attention plan (see the module docstring); `__call__` runs it for one layer."""
+
+    def __init__(self, plan: StepPlan, n_kv: int, group: int, windows, device, fused: bool = False):
+        n_tok = plan.visible.shape[0]
+        self.n_tok, self.n_kv, self.group, self.read_len = n_tok, n_kv, group, plan.read_len
+        ids = plan.seq_ids
+        bounds = [0, *((ids[1:] != ids[:-1]).nonzero().flatten() + 1).tolist(), n_tok]
+        seen = {w: windowed(plan, w) for w in windows}  # [T, C] visibility per attention window
+        if len(bounds) - 1 < n_tok:  # some sequence brings several rows: a prefill chunk
+            self.mode = "split"
+            self.parts = _split_parts(plan, seen, bounds, n_kv, group, device, fused)
+            return
+        everyone = slice(None)
+        gather = None if fused else row_gather_for(plan, max_tokens=None)
+        if fused:
+            part = _cell_part(plan, seen, everyone, device)
+        elif gather is not None:
+            part = _gather_part(plan, seen, gather, everyone, n_kv, group, device)
+        else:
+            masks = {w: _additive(m).repeat_interleave(group, 0)[None].to(device) for w, m in seen.items()}
+            part = _Part("dense", everyone, plan.read_idx, masks)
+        self.mode, self.parts = part.kind, [part]
+
+    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window) -> torch.Tensor:
+        """q `[T, Hq, D]` -> attention output `[T, Hq*D]`."""
+        if self.mode != "split":  # one part, every row
+            return self._run(self.parts[0], q, keys, values, scale, window)
+        out = q.new_empty(self.n_tok, q.shape[1] * q.shape[2])
+        for part in self.parts:
+            out[part.rows] = self._run(part, q[part.rows], keys, values, scale, window)
+        return out
+
+    def _run(self, part: _Part, q, keys, values, scale, window) -> torch.Tensor:
+        """One part's rows of q `[t, Hq, D]` -> `[t, Hq*D]`."""
+        mask = part.masks[window]
+        if part.kind == "cells":
+            return torch.ops.cellserve.cell_attention(q.contiguous(), keys, values, part.cells, mask, scale)
+        k, v = self._read(keys, part.cells), self._read(values, part.cells)
+        if part.kind == "sdpa":
+            o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
+                                               scale=scale, enable_gqa=self.group > 1)
+            return o[0].transpose(0, 1).reshape(o.shape[2], -1)
+        return self._bmm(q, k, v, mask, scale, part.width)
+
+    def _read(self, pool: torch.Tensor, cells: torch.Tensor | None) -> torch.Tensor:
+        """The K or V rows read, `[Hkv, t*L or C, D]`."""
+        if cells is None:
+            return pool[0, :, : self.read_len]
+        return pool[0].index_select(1, cells)
+
+    def _bmm(self, q, k, v, bias, scale, width):
+        """Scores, softmax and values by batched matmuls: per row over `width` gathered cells, or every
+        row over the same window (`width` None)."""
+        n_tok, n_kv, group, head_dim = q.shape[0], self.n_kv, self.group, q.shape[-1]
+        dtype = q.dtype
+        if dtype != torch.float32 and n_tok == 1:
+            # One decoding row: torch's CPU bf16 bmm builds a oneDNN primitive for every new key
+            # length (every step), ~10x the work; fp32 copies of so few rows cost less. With more
+            # rows the bf16 kernels win (measured: 32 rows 2.3x slower in fp32).
+            q, k, v = q.float(), k.float(), v.float()
+        q = q.reshape(n_tok, n_kv, group, head_dim).transpose(0, 1)  # [Hkv, T, G, D]
+        if width is not None:
+            q = q.reshape(n_kv * n_tok, group, head_dim)
+            k = k.view(n_kv * n_tok, width, head_dim)
+            v = v.view(n_kv * n_tok, width, head_dim)
+        else:
+            q = q.reshape(n_kv, n_tok * group, head_dim)
+        probs = _softmax_scores(q, k, bias, scale).to(v.dtype)
+        out = torch.bmm(probs, v)  # [Hkv*T, G, D] or [Hkv, T*G, D]
+        return out.view(n_kv, n_tok, group, head_dim).transpose(0, 1).reshape(n_tok, -1).to(dtype)
+
+
+def _split_parts(plan: StepPlan, seen: dict, bounds: list[int], n_kv: int, group: int, device,
+                 fused: bool) -> list[_Part]:
+    """One sdpa part per multi-row chunk (rows `bounds[i]:bounds[i+1]`), one part for all one-row ones."""
+    parts, singles = [], []
+    read_idx = None if plan.read_idx is None else plan.read_idx.cpu()
+    for a, b in pairwise(bounds):
+        if b - a == 1:
+            singles.append(a)
+            continue
+        cols = plan.visible[a:b].any(0).nonzero().flatten()
+        cells = cols if read_idx is None else read_idx[cols]
+        masks = {w: mask[a:b, cols][None, None].to(device) for w, mask in seen.items()}
+        parts.append(_Part("sdpa", slice(a, b), cells.to(device), masks))
+    if singles:
+        rows = torch.tensor(singles)
+        part = (_cell_part(plan, seen, rows, device) if fused else
+                _gather_part(plan, seen, gather_rows(plan.visible[rows]), rows, n_kv, group, device))
+        part.rows = rows.to(device)
+        parts.append(part)
+    return parts
+
+
+def _row_cells(plan: StepPlan, seen: dict, gather: RowGather, rows):
+    """The pool cells `[t, L]` the given one-row queries read (padded) and their biases `[t, L]` per window."""
+    idx = gather.idx if plan.read_idx is None else plan.read_idx.cpu()[gather.idx]
+    return idx, {w: _additive(torch.gather(mask[rows], 1, gather.idx) & gather.valid) for w, mask in seen.items()}
+
+
+def _cell_part(plan: StepPlan, seen: dict, rows, device) -> _Part:
+    """The fused kernel's part: cells `[t, L]` read in place, biases `[t, L]`."""
+    idx, bias = _row_cells(plan, seen, gather_rows(plan.visible[rows]), rows)
+    return _Part("cells", rows, idx.to(device), {w: b.to(device) for w, b in bias.items()})
+
+
+def _gather_part(plan: StepPlan, seen: dict, gather: RowGather, rows, n_kv: int, group: int, device) -> _Part:
+    """The eager part: cells `[t*L]` copied out, biases expanded to `[Hkv*t, G, L]` for the bmm."""
+    idx, bias = _row_cells(plan, seen, gather, rows)
+    n_tok, width = idx.shape
+    masks = {w: b[None, :, None, :].expand(n_kv, n_tok, group, width).reshape(n_kv * n_tok, group, width).to(device)
+             for w, b in bias.items()}
+    return _Part("gather", rows, idx.reshape(-1).to(device), masks, width)
+
+
+def _softmax_scores(q, k, bias, scale):
+    if q.dtype == torch.float32:
+        scores = torch.baddbmm(bias, q, k.transpose(1, 2), alpha=scale)
+    else:  # low precision: accumulate the scores and the softmax in fp32
+        scores = torch.bmm(q, k.transpose(1, 2)).float().mul_(scale).add_(bias)
+    return torch.softmax(scores, dim=-1)
+
+
+def _additive(seen: torch.Tensor) -> torch.Tensor:
+    """0 where visible, -inf elsewhere; fp32, since scores are fp32 whatever the model dtype."""
+    return torch.zeros(seen.shape, dtype=torch.float32).masked_fill_(~seen, float("-inf"))

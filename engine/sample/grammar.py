@@ -35,6 +35,24 @@ from engine.api.sampling_params import GuidedDecoding
 # whitespace inside a structure, and any JSON parser reads it (vLLM's `disable_any_whitespace`).
 _ANY_WHITESPACE = False
 
+# A small model given a free number or free whitespace can write `1111...` or newlines until max_tokens.
+# llama.cpp's JSON-schema grammar bounds them; so do we, by rewriting xgrammar's JSON rules: at most 16
+# integer digits, 16 fraction digits and 3 exponent digits, and whitespace (where a grammar allows it:
+# JSON inside tool-call tags) of one space or one newline plus up to 20 indent characters.
+_BOUNDED_RULES = {
+    'basic_integer ::= (("0") | (basic_integer_1 [1-9] [0-9]*))':
+        'basic_integer ::= (("0") | (basic_integer_1 [1-9] [0-9]{0, 15}))',
+    'basic_number_2 ::= (("0") | ([1-9] [0-9]*))': 'basic_number_2 ::= (("0") | ([1-9] [0-9]{0, 15}))',
+    'basic_number_3 ::= ("" | ("." basic_number_digits{1, -1}))':
+        'basic_number_3 ::= ("" | ("." basic_number_digits{1, 16}))',
+    'basic_number_5 ::= ("" | ([eE] basic_number_4 basic_number_digits{1, -1}))':
+        'basic_number_5 ::= ("" | ([eE] basic_number_4 basic_number_digits{1, 3}))',
+}
+_FREE_WS = "[ \\n\\r\\t]*"
+_STRING_LOOKAHEAD = "(=(" + _FREE_WS + " [,}\\]:]))"  # a lookahead, not output: left as it is
+_BOUNDED_WS = "json_ws"
+_BOUNDED_WS_RULE = 'json_ws ::= ("" | " " | ("\\n" [ \\t]{0, 20}))'
+
 
 class GrammarState:
     """One row's matcher: what its generated tokens have matched so far."""
@@ -68,9 +86,11 @@ class GrammarCompiler:
         c, kind = self._compiler, spec.kind
         try:
             if kind == "json_object":
-                return c.compile_json_schema('{"type": "object"}', any_whitespace=_ANY_WHITESPACE, strict_mode=False)
+                return c.compile_grammar(bounded_json(self._xgr.Grammar.from_json_schema(
+                    '{"type": "object"}', any_whitespace=_ANY_WHITESPACE, strict_mode=False)))
             if kind == "json_schema":
-                return c.compile_json_schema(spec.spec, any_whitespace=_ANY_WHITESPACE)
+                return c.compile_grammar(bounded_json(self._xgr.Grammar.from_json_schema(
+                    spec.spec, any_whitespace=_ANY_WHITESPACE)))
             if kind == "regex":
                 return c.compile_regex(spec.spec)
             if kind == "choice":
@@ -78,7 +98,7 @@ class GrammarCompiler:
             if kind == "grammar":
                 return c.compile_grammar(spec.spec)
             if kind == "structural_tag":
-                return c.compile_structural_tag(spec.spec)
+                return c.compile_grammar(bounded_json(self._xgr.Grammar.from_structural_tag(spec.spec)))
         except (RuntimeError, ValueError, TypeError) as exc:  # xgrammar: RuntimeError with the converter's message
             raise InvalidRequest(f"{spec.param}: the {kind.replace('_', ' ')} cannot be compiled: "
                                  f"{_reason(exc)}", spec.param) from None
@@ -106,6 +126,20 @@ def apply_masks(x: torch.Tensor, rows: list[int], states: list[GrammarState]) ->
     for i, st in zip(rows, states):
         st.matcher.fill_next_token_bitmask(bitmask, i)
     xgr.apply_token_bitmask_inplace(x, bitmask, vocab_size=V, indices=rows)
+
+
+def bounded_json(grammar) -> str:
+    """The EBNF of an xgrammar JSON grammar (schema, object or tool-call tags) with numbers and free
+    whitespace bounded (see `_BOUNDED_RULES`). A rule xgrammar no longer prints as expected is left as it
+    is (tests/engine/sample/test_grammar_bounds.py fails then, so a version bump cannot hide it)."""
+    text = str(grammar)
+    for free, bounded in _BOUNDED_RULES.items():
+        text = text.replace(free, bounded)
+    if _FREE_WS in text:
+        keep = "\x00lookahead\x00"
+        text = text.replace(_STRING_LOOKAHEAD, keep).replace(_FREE_WS, _BOUNDED_WS).replace(keep, _STRING_LOOKAHEAD)
+        text += "\n" + _BOUNDED_WS_RULE + "\n"
+    return text
 
 
 def _reason(exc: Exception) -> str:

@@ -31,6 +31,9 @@ _MAX_STRING = 1 << 24  # no key or scalar string in a sane header is longer; bey
 _ARCH_ALIASES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "gpt_oss",
                  "minimax-m2": "minimax_m2", "t5encoder": "t5"}
 _PATCH_LOCK = threading.Lock()
+# llama.cpp architectures whose files can be served quantized (`dtype="quantized"`): the native forward's
+# (engine/loader/gguf_tensors.py reads their tensors as they are); others are dequantized to float32.
+QUANT_ARCHS = ("llama", "qwen2")
 
 
 class _Header:
@@ -159,6 +162,8 @@ def convert_gguf(src: Path, dest: Path, dtype: str, *, progress: bool = True, re
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    if dtype == "quantized":
+        return _write_quantized_folder(src, dest, arch, record or {})
     torch_dtype = getattr(torch, dtype)
     tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
     started = time.perf_counter()
@@ -196,6 +201,40 @@ def convert_gguf(src: Path, dest: Path, dtype: str, *, progress: bool = True, re
                                f"{type(exc).__name__}: {exc}") from exc
     finally:
         stages.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return info
+
+
+def _write_quantized_folder(src: Path, dest: Path, arch: str, record: dict) -> dict:
+    """`dest` for dtype "quantized": the config, generation config and tokenizer only; `cellserve.json`
+    says the weights stay in `src` (`weights: "gguf"`), read as they are at every load."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
+    started = time.perf_counter()
+    try:
+        with _parse_once():
+            tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+            config = AutoConfig.from_pretrained(src.parent, gguf_file=src.name)
+        if hasattr(config, "quantization_config"):
+            del config.quantization_config
+        config.save_pretrained(tmp)
+        GenerationConfig.from_model_config(config).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        info = {"architecture": arch, "dtype": "quantized", "weights": "gguf", "gguf": str(src.resolve()),
+                "seconds": round(time.perf_counter() - started, 2), **record}
+        (tmp / "cellserve.json").write_text(json.dumps(info, indent=2))
+        try:
+            os.rename(tmp, dest)
+        except OSError:
+            if not (dest / "cellserve.json").is_file():
+                raise
+    except ModelSourceError:
+        raise
+    except Exception as exc:
+        raise ModelSourceError(f"could not read the config and tokenizer of {src} ({arch}): "
+                               f"{type(exc).__name__}: {exc}") from exc
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return info
 

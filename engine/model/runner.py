@@ -15,6 +15,7 @@ import torch
 
 from engine.cells.cache import DEFAULT_MAX_SEQS, CellCache
 from engine.cells.plan import row_gather_for
+from engine.loader.gguf_tensors import is_gguf_folder, load_gguf_model
 from engine.loader.hf import load_hf_folder
 from engine.model.flat_step import FlatStep, flatten_step
 from engine.model.hf_attention import (
@@ -55,6 +56,9 @@ class ModelRunner:
     ops over the same pools. None (default) = whenever the model is supported (unless the environment
     sets CELLSERVE_NATIVE=0); False = always the transformers modules (which stay the oracle and the
     path for every other architecture).
+
+    `tensors`: a GGUF file's weights, quantized linears kept quantized (engine/loader/gguf_tensors.py);
+    `model` is then a placeholder skeleton and only the native forward can run it.
     """
 
     def __init__(
@@ -68,6 +72,7 @@ class ModelRunner:
         threads: int | None = None,
         attention: str = "fast",
         native: bool | None = None,
+        tensors: dict | None = None,
     ):
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention={attention!r}: choose one of {ATTENTION_PATHS}")
@@ -93,9 +98,11 @@ class ModelRunner:
         if native is None and os.environ.get("CELLSERVE_NATIVE") == "0":  # escape hatch, and A/B benchmarks
             native = False
         reason = native_unsupported(model) if attention == "fast" else "the reference path is the oracle"
+        if tensors is not None and (native is False or reason):
+            raise ValueError(f"quantized GGUF weights run only on the native forward ({reason or 'native=False'})")
         if native and reason:
             raise ValueError(f"native=True but {reason}")
-        self.native = NativeLlama(model, self.spec) if native is not False and reason is None else None
+        self.native = NativeLlama(model, self.spec, tensors) if native is not False and reason is None else None
         # transformers 5.24 renamed `past_key_values` to `cache`; accept both so 5.23 keeps working.
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -115,6 +122,12 @@ class ModelRunner:
         `dtype="auto"` keeps the checkpoint's dtype (as vLLM's default); a name like "bfloat16" or a
         torch dtype forces one. On CPUs with AVX512-BF16/AMX, bfloat16 runs about twice as fast.
         """
+        if is_gguf_folder(path):  # weights served from the GGUF file as they are (dtype "quantized")
+            model, tokenizer, tensors = load_gguf_model(path)
+            return cls(model, tokenizer, tensors=tensors, **kwargs)
+        if dtype == "quantized":
+            raise ValueError(f"dtype 'quantized' serves a .gguf file's own blocks; {path} is a float folder "
+                             f"(int8/int4 for any folder is issue #26, phase 2)")
         model, tokenizer = load_hf_folder(path, dtype=dtype, attn_implementation=attn_implementation, device=device)
         return cls(model, tokenizer, **kwargs)
 

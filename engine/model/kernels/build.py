@@ -20,7 +20,7 @@ import torch
 
 log = logging.getLogger("cellserve.kernels")
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("cell_kernels.cpp", "small_linear.cpp"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("cell_kernels.cpp", "small_linear.cpp", "quant_linear.cpp"))
 # -fopenmp: at::parallel_for is inline and runs serially without it; the .so then links libgomp.so.1,
 # which resolves to the copy torch has already loaded (same soname), so there is one OpenMP runtime.
 # -fno-math-errno lets the softmax's exp vectorize.

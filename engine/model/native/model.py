@@ -70,23 +70,30 @@ def native_unsupported(model) -> str | None:
 class _Layer:
     """One decoder layer's fused weights and the window its attention uses."""
 
-    def __init__(self, layer, window: int | None):
+    def __init__(self, layer, window: int | None, quantized: dict | None = None):
         attn, mlp = layer.self_attn, layer.mlp
         self.ln1, self.eps1 = layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon
         self.ln2, self.eps2 = layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon
+        self.scale = attn.scaling
+        self.window = window
+        self.gate_up = None  # a quantized [gate; up] linear with its own swiglu (engine/model/native/quant.py)
+        if quantized is not None:  # the weights come from a GGUF file as they are (quant.layer_weights)
+            for name, value in quantized.items():
+                setattr(self, name, value)
+            return
         self.qkv = fused_linear(attn.q_proj, attn.k_proj, attn.v_proj)
         self.o = fused_linear(attn.o_proj)
         self.gate, self.up = fused_linear(mlp.gate_proj), fused_linear(mlp.up_proj)
         self.gate_up_bias = cat_bias(mlp.gate_proj, mlp.up_proj)
         self.down = fused_linear(mlp.down_proj)
-        self.scale = attn.scaling
-        self.window = window
 
     def linears(self) -> list[Linear]:
         return [self.qkv, self.o, self.gate, self.up, self.down]
 
     def swiglu(self, h: torch.Tensor) -> torch.Tensor:
         """`silu(gate(h)) * up(h)`: one small-row kernel call at one row, else two fused oneDNN calls."""
+        if self.gate_up is not None:
+            return self.gate_up.swiglu(h)
         if self.gate.is_small(h):
             return torch.ops.cellserve.small_linear(h, [*self.gate.parts, *self.up.parts], self.gate_up_bias,
                                                     None, "swiglu")
@@ -101,7 +108,10 @@ class NativeLlama:
     K/V pools, so the cache verbs, forks and the reference path all see one pool.
     """
 
-    def __init__(self, model, spec: MaskSpec):
+    def __init__(self, model, spec: MaskSpec, tensors: dict | None = None):
+        """`tensors` (a GGUF file's, engine/loader/gguf_tensors.py): the weights to run instead of the
+        model's own, quantized linears kept quantized (engine/model/native/quant.py); `model` is then
+        only the architecture (a placeholder skeleton)."""
         reason = native_unsupported(model)
         if reason:
             raise ValueError(f"no native forward: {reason}")
@@ -112,11 +122,19 @@ class NativeLlama:
             windows = [spec.layer_windows[types[i]] for i in range(len(base.layers))]
         else:
             windows = [spec.window] * len(base.layers)
-        self.layers = [_Layer(layer, w) for layer, w in zip(base.layers, windows)]
+        if tensors is None:
+            self.layers = [_Layer(layer, w) for layer, w in zip(base.layers, windows)]
+            self.embed = base.embed_tokens.weight.detach()
+            self.norm = base.norm.weight.detach()
+            self.head = fused_linear(model.lm_head, gemv=True)
+        else:
+            from engine.model.native import quant
+
+            self.layers = [_Layer(layer, w, quant.layer_weights(tensors, i))
+                           for i, (layer, w) in enumerate(zip(base.layers, windows))]
+            self.embed, self.norm, self.head = quant.model_weights(tensors)
         self.windows = sorted(set(windows), key=lambda w: -1 if w is None else w)
-        self.embed = base.embed_tokens.weight.detach()
-        self.norm, self.norm_eps = base.norm.weight.detach(), base.norm.variance_epsilon
-        self.head = fused_linear(model.lm_head, gemv=True)
+        self.norm_eps = base.norm.variance_epsilon
         self.rotary = base.rotary_emb
         attn = base.layers[0].self_attn
         self.head_dim = attn.head_dim
@@ -139,7 +157,8 @@ class NativeLlama:
 
     def forward(self, cache: CellCache, tokens: torch.Tensor, plan: StepPlan, rows: torch.Tensor) -> torch.Tensor:
         """Logits `[len(rows), vocab]` (fp32) of the given rows of this planned step."""
-        x = F.embedding(tokens, self.embed)  # [T, H]
+        # [T, H]; a quantized table (QuantEmbedding) looks its rows up itself
+        x = F.embedding(tokens, self.embed) if isinstance(self.embed, torch.Tensor) else self.embed(tokens)
         cos, sin = self.rotary(x, plan.positions[None])
         attend = Attend(plan, self.n_kv, self.n_heads // self.n_kv, self.windows, x.device, self.fused)
         rope = (cos[0], sin[0]) if self.fused else _eager_rope(cos, sin, self.head_dim)

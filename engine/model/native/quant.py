@@ -1,0 +1,190 @@
+"""QuantLinear: the native forward's linears over GGUF block-quantized weights, read as they are.
+
+A `QuantWeight` (engine/loader/gguf_tensors.py: Q8_0, Q4_0, Q4_1 in 32-weight blocks, 1.0625 / 0.5625 /
+0.625 bytes per weight) is the only copy of a linear's weight. `QuantLinear` has `Linear`'s interface
+(call, `silu`, `times`, `plus`, `is_small`, `small`) plus `swiglu` for a [gate; up] weight:
+- 1 to 4 rows (decode), with the fused kernels built: `torch.ops.cellserve.quant_linear`
+  (engine/model/kernels/csrc/quant_linear.cpp): the rows quantized per 32-block to int8 and dotted with
+  the weight blocks in integers (AVX-512 VNNI; plain C without it), each block read once for all rows,
+  bias, residual add and SiLU*up fused. Error against dequantize-then-`F.linear`: the activations'
+  rounding, at most sum_k |w_k| * da_b(k) / 2 per output (tests/engine/model/test_quant_linear.py).
+- more rows (prefill, batched decode) or no VNNI: the weight is dequantized to float32 one tile of
+  `TILE_BYTES` at a time (`quant_dequant`, or torch ops without the kernels) and multiplied by
+  `torch.mm`, so at most one tile of float32 exists per call; the result equals dequantize-then-`F.linear`
+  up to float32 summation order. (First version: each call unpacks the tiles again; a blocked GEMM that
+  keeps unpacked blocks in cache across rows is issue #26's next step.)
+`QuantEmbedding` looks token rows up in the same blocks (a tied LM head and its embedding share them).
+"""
+
+import torch
+import torch.nn.functional as F
+
+from engine.loader.gguf_tensors import KIND_IDS, QuantWeight
+from engine.model.native.linear import Linear
+
+TILE_BYTES = 8 << 20  # float32 bytes of weight unpacked at once on the many-row path
+MAX_SMALL_ROWS = 4  # rows the one-pass integer kernel takes
+
+
+def _kernels() -> bool:
+    return hasattr(torch.ops.cellserve, "quant_linear")
+
+
+class QuantLinear:
+    """`y = x @ W.T + b` (float32) for a block-quantized W; `swiglu` for W = [gate; up]."""
+
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None):
+        self.weight = weight
+        self.kind = KIND_IDS[weight.kind]
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.out_features, self.in_features = weight.shape
+        self.small = False  # NativeLlama.fused sets it: the fused kernels are loaded
+        self.tile = max(16, TILE_BYTES // (4 * self.in_features))
+
+    @property
+    def nbytes(self) -> int:
+        return self.weight.nbytes + (0 if self.bias is None else self.bias.numel() * 4)
+
+    def is_small(self, x: torch.Tensor) -> bool:
+        """Whether this call runs the integer kernel (1 to 4 rows, kernels built with VNNI)."""
+        return self.small and x.shape[0] <= MAX_SMALL_ROWS and _kernels() and torch.ops.cellserve.quant_linear_fast()
+
+    def _small(self, x, other, op) -> torch.Tensor:
+        w = self.weight
+        return torch.ops.cellserve.quant_linear(x.float().contiguous(), w.qs, w.d, w.m, self.kind, self.bias,
+                                                other, op)
+
+    def _tile(self, r0: int, r1: int) -> torch.Tensor:
+        w = self.weight
+        if self.small and _kernels():
+            return torch.ops.cellserve.quant_dequant(w.qs, w.d, w.m, self.kind, r0, r1)
+        return w.dequantize(r0, r1)
+
+    def _dense(self, x: torch.Tensor) -> torch.Tensor:
+        """x @ W.T + b, W unpacked one tile of rows at a time."""
+        x = x.float()
+        n = self.out_features
+        if n <= self.tile:
+            return F.linear(x, self._tile(0, n), self.bias)
+        y = torch.empty(x.shape[0], n, dtype=torch.float32)
+        for r0 in range(0, n, self.tile):
+            r1 = min(n, r0 + self.tile)
+            y[:, r0:r1] = F.linear(x, self._tile(r0, r1), None if self.bias is None else self.bias[r0:r1])
+        return y
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return self._small(x, None, "none") if self.is_small(x) else self._dense(x)
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(self(x))
+
+    def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """`linear(x) * other`."""
+        return self(x).mul_(other)
+
+    def plus(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        """`other + linear(x)` (the residual add)."""
+        if self.is_small(x):
+            return self._small(x, other, "add").to(other.dtype)
+        return self._dense(x).add_(other)
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        """`silu(x @ G.T + bg) * (x @ U.T + bu)` for W = [G; U]."""
+        if self.is_small(x):
+            return self._small(x, None, "swiglu")
+        y = self._dense(x)
+        n = self.out_features // 2
+        return F.silu(y[:, :n]).mul_(y[:, n:])
+
+
+class QuantEmbedding:
+    """Token rows of a block-quantized [vocab, hidden] table, dequantized per lookup (float32)."""
+
+    def __init__(self, weight: QuantWeight):
+        self.weight = weight
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.weight.dequantize(index=tokens.reshape(-1))
+
+
+def linear_of(parts: list, bias: torch.Tensor | None = None) -> "QuantLinear | Linear":
+    """One linear over the stacked rows of `parts` (QuantWeights and/or float tensors): a QuantLinear
+    when they are all quantized in one kind, else a float32 `Linear` of them dequantized (a mixed group,
+    e.g. Q|K|V with V in another type; only phase 1's kinds are kept quantized)."""
+    if all(isinstance(p, QuantWeight) for p in parts) and len({p.kind for p in parts}) == 1:
+        return QuantLinear(QuantWeight.cat(parts), bias)
+    return Linear([p.dequantize() if isinstance(p, QuantWeight) else p.float() for p in parts], bias)
+
+
+def cat_biases(tensors: dict, names: list[str], sizes: list[int]) -> torch.Tensor | None:
+    """The biases of the named linears concatenated (zeros for those without), or None."""
+    found = [tensors.get(n) for n in names]
+    if all(b is None for b in found):
+        return None
+    return torch.cat([b.float() if b is not None else torch.zeros(s) for b, s in zip(found, sizes)])
+
+
+def weight_bytes(native) -> int:
+    """Bytes the native forward's weights hold: quantized blocks, norms, biases and any float linears
+    (a oneDNN-packed copy counted as its parts' bytes); a tensor shared by two holders counts once."""
+    seen: dict[int, int] = {}
+
+    def add(t) -> None:
+        if isinstance(t, QuantWeight):
+            for a in (t.qs, t.d, t.m):
+                add(a)
+        elif isinstance(t, torch.Tensor) and t.layout == torch.strided:
+            seen[t.data_ptr()] = t.numel() * t.element_size()
+
+    def add_linear(lin) -> None:
+        if isinstance(lin, QuantLinear):
+            add(lin.weight)
+            add(lin.bias)
+        else:
+            for p in lin.parts:
+                add(p)
+            if lin.packed is not None:
+                seen[id(lin.packed)] = sum(p.numel() * p.element_size() for p in lin.parts)
+            add(lin.weight)
+            add(lin.bias)
+
+    add(native.embed.weight if isinstance(native.embed, QuantEmbedding) else native.embed)
+    add(native.norm)
+    add_linear(native.head)
+    for layer in native.layers:
+        add(layer.ln1)
+        add(layer.ln2)
+        for lin in {id(lin): lin for lin in layer.linears()}.values():
+            add_linear(lin)
+    return sum(seen.values())
+
+
+def layer_weights(tensors: dict, i: int) -> dict:
+    """`_Layer`'s attributes for block `i` of a GGUF file's tensors (llama.cpp names)."""
+    t = {k.removeprefix(f"blk.{i}."): v for k, v in tensors.items() if k.startswith(f"blk.{i}.")}
+    qkv = [t[f"attn_{p}.weight"] for p in "qkv"]
+    out = {"ln1": t["attn_norm.weight"], "ln2": t["ffn_norm.weight"],
+           "qkv": linear_of(qkv, cat_biases(t, [f"attn_{p}.bias" for p in "qkv"], [_rows(w) for w in qkv])),
+           "o": linear_of([t["attn_output.weight"]], t.get("attn_output.bias")),
+           "down": linear_of([t["ffn_down.weight"]], t.get("ffn_down.bias"))}
+    gate_up = linear_of([t["ffn_gate.weight"], t["ffn_up.weight"]])
+    if isinstance(gate_up, QuantLinear):
+        out |= {"gate_up": gate_up, "gate": gate_up, "up": gate_up}
+    else:  # a mixed pair: two float linears and the float path's swiglu
+        out |= {"gate": linear_of([t["ffn_gate.weight"]]), "up": linear_of([t["ffn_up.weight"]]),
+                "gate_up_bias": None}
+    return out
+
+
+def model_weights(tensors: dict) -> tuple:
+    """(embedding, final norm weight, LM head) of a GGUF file's tensors; a tied head (no `output.weight`)
+    reads the embedding's own blocks."""
+    embed = tensors["token_embd.weight"]
+    head = tensors.get("output.weight", embed)
+    table = QuantEmbedding(embed) if isinstance(embed, QuantWeight) else embed
+    lm_head = QuantLinear(head) if isinstance(head, QuantWeight) else Linear([head.float()], gemv=True)
+    return table, tensors["output_norm.weight"], lm_head
+
+
+def _rows(w) -> int:
+    return w.shape[0]

@@ -1,0 +1,109 @@
+"""The block-quantized linear kernels (engine/model/kernels/csrc/quant_linear.cpp, engine/model/native/quant.py)
+against dequantize-then-`F.linear` in fp32, for each block kind.
+
+Tolerances, and why:
+- unpacking (`quant_dequant`, `QuantWeight.dequantize`): exact (equal to gguf-py's dequantize: both
+  compute d * (q - z) + m once in fp32).
+- many rows (dequantized tiles + torch.mm): fp32 summation order only: atol 1e-4 on outputs of size ~10.
+- 1 to 4 rows (the integer kernel): the activations are rounded per 32-block to int8 (scale
+  da = amax / 127, half away from zero), so against the fp32 reference an output may move by at most
+  sum_k |w_k| * da_b(k) / 2 (each activation moves by at most da / 2); the test asserts that bound
+  (+1e-4). Against a reference that rounds the activations the same way and sums in float64 the
+  kernel is exact up to fp32 summation: atol 2e-4.
+"""
+
+import gguf
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import quants
+
+from engine.loader.gguf_tensors import KIND_IDS, QuantWeight, pack_blocks
+from engine.model.kernels import build as kernels
+from engine.model.native.quant import QuantEmbedding, QuantLinear
+
+Q = gguf.GGMLQuantizationType
+KINDS = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1}
+
+
+def _weight(kind: str, n: int, k: int, seed: int = 0) -> tuple[QuantWeight, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=g) * 0.1 + 0.02).numpy()
+    raw = quants.quantize(w, KINDS[kind])
+    ref = torch.from_numpy(quants.dequantize(raw, KINDS[kind]).reshape(n, k).copy())
+    return pack_blocks(raw, KINDS[kind], n, k), ref
+
+
+def _round_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x rounded as the kernel does (per 32-block int8), and each value's block scale da."""
+    b = x.reshape(x.shape[0], -1, 32)
+    da = b.abs().amax(-1, keepdim=True) / 127
+    inv = torch.where(da == 0, torch.zeros_like(da), 1 / da)
+    v = b * inv
+    q = torch.sign(v) * torch.floor(v.abs() + 0.5)
+    return (q * da).reshape(x.shape), da.expand_as(b).reshape(x.shape)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    assert kernels.load(), kernels.why_not()
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("k", [96, 128])  # 96: two pairs of blocks... and a lone block at the end
+def test_unpacking_is_exact(kind, k):
+    w, ref = _weight(kind, 37, k)
+    assert w.nbytes == {"q8_0": 34, "q4_0": 18, "q4_1": 20}[kind] * 37 * k // 32  # the file's own bytes
+    torch.testing.assert_close(w.dequantize(), ref, atol=0, rtol=0)
+    torch.testing.assert_close(w.dequantize(5, 30), ref[5:30], atol=0, rtol=0)
+    torch.testing.assert_close(torch.ops.cellserve.quant_dequant(w.qs, w.d, w.m, KIND_IDS[kind], 3, 37), ref[3:],
+                               atol=0, rtol=0)
+    idx = torch.tensor([4, 0, 36, 4])
+    torch.testing.assert_close(QuantEmbedding(w)(idx), ref[idx], atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize("k", [96, 160, 256])
+@pytest.mark.parametrize("rows", [1, 2, 4])
+def test_small_rows_kernel(kind, k, rows):
+    n = 70
+    w, ref = _weight(kind, n, k, seed=k)
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g)
+    x[0, :32] = 0  # an all-zero activation block (scale 0)
+    bias, other = torch.randn(n, generator=g), torch.randn(rows, n, generator=g)
+    lin = QuantLinear(w, bias)
+    lin.small = True
+    assert lin.is_small(x) == torch.ops.cellserve.quant_linear_fast()
+    y = torch.ops.cellserve.quant_linear(x, w.qs, w.d, w.m, KIND_IDS[kind], bias, None, "none")
+    xr, da = _round_activations(x)
+    exact = (xr.double() @ ref.double().T + bias.double()).float()
+    torch.testing.assert_close(y, exact, atol=2e-4, rtol=0)
+    bound = (da / 2) @ ref.abs().T + 1e-4
+    assert ((y - F.linear(x, ref, bias)).abs() <= bound).all()
+    torch.testing.assert_close(torch.ops.cellserve.quant_linear(x, w.qs, w.d, w.m, KIND_IDS[kind], bias, other, "add"),
+                               exact + other, atol=2e-4, rtol=0)
+    gu = torch.ops.cellserve.quant_linear(x, w.qs, w.d, w.m, KIND_IDS[kind], bias, None, "swiglu")
+    torch.testing.assert_close(gu, F.silu(exact[:, : n // 2]) * exact[:, n // 2:], atol=2e-4, rtol=0)
+    torch.testing.assert_close(lin.plus(x, other), exact + other, atol=2e-4, rtol=0)
+    torch.testing.assert_close(lin.swiglu(x), gu, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("small", [True, False], ids=["kernels", "eager"])
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_many_rows_tiles(kind, small):
+    n, k = 90, 160
+    w, ref = _weight(kind, n, k, seed=3)
+    g = torch.Generator().manual_seed(1)
+    x, other = torch.randn(9, k, generator=g), torch.randn(9, n, generator=g)
+    bias = torch.randn(n, generator=g)
+    lin = QuantLinear(w, bias)
+    lin.small = small
+    lin.tile = 16  # six tiles, the last one partial: the whole fp32 matrix is never built
+    assert not lin.is_small(x)
+    want = F.linear(x, ref, bias)
+    torch.testing.assert_close(lin(x), want, atol=1e-4, rtol=0)
+    torch.testing.assert_close(lin.plus(x, other), want + other, atol=1e-4, rtol=0)
+    torch.testing.assert_close(lin.silu(x), F.silu(want), atol=1e-4, rtol=0)
+    torch.testing.assert_close(lin.times(x, other), want * other, atol=1e-4, rtol=0)
+    torch.testing.assert_close(lin.swiglu(x), F.silu(want[:, :45]) * want[:, 45:], atol=1e-4, rtol=0)

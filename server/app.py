@@ -1,6 +1,5 @@
-"""The FastAPI app: the OpenAI generation routes (completions, chat), error handlers, the API-key check,
-the body-size limit and the engine's lifecycle, with the engine injected. The stateful routes live in
-`server.routes_sequences` and `server.routes_ops`.
+"""The FastAPI app (`build_app`): mounts the routers behind the middleware, installs the error handlers
+and ties the engine's lifecycle to the app's.
 
 `build_app(engine, ...)` takes either a ready `EngineClient` (an `AsyncEngine`) (tests build a real one from a tiny
 seeded model) or a zero-argument factory that builds one (the CLI: the model loads in a worker
@@ -10,8 +9,6 @@ period) when it stops. `server/` never touches tensors: it talks to the engine o
 AsyncEngine API (generate, cancel, sequence verbs, stats, tokenizer).
 """
 
-import hmac
-import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -19,14 +16,13 @@ from typing import TYPE_CHECKING, Union
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
-from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from engine.api.ids import new_id
 from server import routes_ops, routes_sequences
 from server.chat import ChatFormatter, call_grammar, supports_tools, template_tools
-from server.context import EngineFactory, Limits, ServerContext
-from server.errors import ERROR_RESPONSES, APIError, error_body, install_error_handlers, without_422
+from server.errors import ERROR_RESPONSES, APIError, install_error_handlers, without_422
+from server.limits import Limits
+from server.middleware import BodySizeLimit, HeadAsGet, require_api_key
 from server.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
@@ -34,83 +30,12 @@ from server.protocol import (
     sampling_params,
 )
 from server.serving import STREAMED_200, Formatter, GenerationRun, serve
+from server.state import EngineFactory, ServerContext
 
 if TYPE_CHECKING:  # the server never imports the engine (torch) at run time; it is injected
     from engine.api.client import EngineClient
 
 log = logging.getLogger("cellserve.server")
-
-
-async def require_api_key(request: Request) -> None:
-    """`Authorization: Bearer <key>` when the server has a key; constant-time compare."""
-    expected = ServerContext.of(request).api_key
-    if not expected:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
-        raise APIError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>' with the "
-                       "key the server was started with (--api-key)", code="invalid_api_key")
-
-
-class HeadAsGet:
-    """ASGI middleware: a HEAD request is routed as the GET it stands for (HEAD-based health checks);
-    the server (uvicorn) still sees HEAD in its own scope and sends the headers without the body."""
-
-    def __init__(self, app: ASGIApp):
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "HEAD":
-            scope = {**scope, "method": "GET"}
-        await self.app(scope, receive, send)
-
-
-class BodySizeLimit:
-    """ASGI middleware: refuse request bodies over `limits.max_body_bytes` with 413, unread."""
-
-    def __init__(self, app: ASGIApp, limits: Limits):
-        self.app = app
-        self.limits = limits
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = _content_length(scope)
-        if declared is not None and declared > self.limits.max_body_bytes:
-            await _send_413(send, self.limits.body_too_large(declared))
-            return
-        received = 0
-
-        async def counted() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.limits.max_body_bytes:
-                    raise HTTPException(413, self.limits.body_too_large())
-            return message
-
-        await self.app(scope, counted, send)
-
-
-def _content_length(scope: Scope) -> int | None:
-    for name, value in scope.get("headers", []):
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None
-    return None
-
-
-async def _send_413(send: Send, message: str) -> None:
-    body = json.dumps(error_body(413, message, code="body_too_large")).encode()
-    await send({"type": "http.response.start", "status": 413,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": body})
 
 
 def build_app(engine: Union["EngineClient", EngineFactory], *, served_model_name: str | None = None,

@@ -12,9 +12,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from engine.api.errors import RequestNotFound
-from server.context import CONTENT_TYPE, ServerContext
 from server.errors import APIError
+from server.metrics import CONTENT_TYPE
 from server.protocol_sequences import DetokenizeRequest, TokenizeRequest, sequence_view
+from server.state import ServerContext
 
 public = APIRouter()
 router = APIRouter()

@@ -17,7 +17,6 @@ from fastapi.responses import Response
 
 from engine.api.errors import EngineError
 from engine.api.ids import new_id
-from server.context import ServerContext
 from server.protocol import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
 from server.protocol_sequences import (
     ForkRequest,
@@ -27,6 +26,7 @@ from server.protocol_sequences import (
     sequence_view,
 )
 from server.serving import STREAMED_200, ClientGone, Formatter, GenerationRun, await_or_disconnect, serve
+from server.state import ServerContext
 
 router = APIRouter()
 

@@ -28,8 +28,9 @@ from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from engine.api.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from server.context import RequestObserver, ServerContext, ServerMetrics
 from server.errors import APIError, as_api_error, error_body
+from server.metrics import RequestObserver, ServerMetrics
+from server.state import ServerContext
 
 if TYPE_CHECKING:  # types only: the server does not import the engine (torch) at run time
     from engine.api.client import EngineClient

@@ -18,18 +18,19 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import Response
 
 from engine.api.ids import new_id
-from server import routes_ops, routes_sequences
-from server.chat import ChatFormatter, call_grammar, supports_tools, template_tools
 from server.errors import ERROR_RESPONSES, APIError, install_error_handlers, without_422
 from server.limits import Limits
 from server.middleware import BodySizeLimit, HeadAsGet, require_api_key
-from server.protocol import (
+from server.openai.completions import STREAMED_200, Formatter, GenerationRun, serve
+from server.openai.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
     sampling_params,
 )
-from server.serving import STREAMED_200, Formatter, GenerationRun, serve
+from server.openai.tools import ChatFormatter, call_grammar, supports_tools, template_tools
+from server.ops import routes as ops_routes
+from server.sequences import routes as sequence_routes
 from server.state import EngineFactory, ServerContext
 
 if TYPE_CHECKING:  # the server never imports the engine (torch) at run time; it is injected
@@ -64,9 +65,9 @@ def build_app(engine: Union["EngineClient", EngineFactory], *, served_model_name
                   description="Multi-sequence LLM inference over one shared pool of KV cells.", **docs)
     app.state.ctx = ctx
     install_error_handlers(app)
-    app.include_router(routes_ops.public, responses=ERROR_RESPONSES)
+    app.include_router(ops_routes.public, responses=ERROR_RESPONSES)
     guarded = [Depends(require_api_key)]
-    for router in (openai_router, routes_sequences.router, routes_ops.router):
+    for router in (openai_router, sequence_routes.router, ops_routes.router):
         app.include_router(router, dependencies=guarded, responses=ERROR_RESPONSES)
     _document_errors_only_as_sent(app)
     app.add_middleware(HeadAsGet)
@@ -89,7 +90,7 @@ def _document_errors_only_as_sent(app: FastAPI) -> None:
 # --- OpenAI-compatible generation routes: `POST /v1/completions` and `POST /v1/chat/completions`.
 #
 # Each route only translates: validate (pydantic), tokenize (worker thread), build `SamplingParams`,
-# start a `GenerationRun`, and let `server.serving` answer as JSON or SSE. Defaults follow OpenAI:
+# start a `GenerationRun`, and let `server.openai.completions` answer as JSON or SSE. Defaults follow OpenAI:
 # completions `max_tokens` 16, chat `max_tokens` up to the context that is left.
 
 openai_router = APIRouter()

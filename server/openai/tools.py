@@ -1,6 +1,6 @@
 """Chat's answers: tool calling (tools into the prompt through the model's chat template, the model's
 calls out of its text) and OpenAI's `chat.completion` / `chat.completion.chunk` shapes (`ChatFormatter`,
-built on `server.serving.Formatter`).
+built on `server.openai.completions.Formatter`).
 
 The call format is Hermes/ChatML's (Qwen2.5, Hermes, SmolLM3 and most open chat models trained for
 tools): `<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>`, one block per call.
@@ -19,7 +19,7 @@ import json
 import uuid
 
 from engine.api.outputs import CompletionOutput, TokenLogprob
-from server.serving import ChoiceState, Formatter, TokenStr
+from server.openai.completions import ChoiceState, Formatter, TokenStr
 
 START, END = "<tool_call>", "</tool_call>"
 
@@ -162,7 +162,7 @@ def chat_response(rid: str, created: int, model: str, choices: list[dict], use: 
 
 def chat_choice(c: ChoiceState, token_str: TokenStr, want_logprobs: bool, content: str | None = None,
                 tool_calls: list[dict] | None = None) -> dict:
-    """`content`/`tool_calls`: the text split by `server.chat` when tools were offered (else the text)."""
+    """`content`/`tool_calls`: the text split by `server.openai.tools` when tools were offered (else the text)."""
     calls = tool_calls or []
     finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
     return {
@@ -177,7 +177,7 @@ def chat_choice(c: ChoiceState, token_str: TokenStr, want_logprobs: bool, conten
 
 class ChatFormatter(Formatter):
     """Chat shapes. With `tools` (tools offered, tool_choice not none) the text is split into content
-    and `tool_calls` (server.chat), whole or streamed, and a choice that stopped after calling tools
+    and `tool_calls` (server.openai.tools), whole or streamed, and a choice that stopped after calling tools
     ends with finish_reason `tool_calls`."""
 
     chunk_object = "chat.completion.chunk"

@@ -17,15 +17,22 @@ from fastapi.responses import Response
 
 from engine.api.errors import EngineError
 from engine.api.ids import new_id
-from server.protocol import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
-from server.protocol_sequences import (
+from server.openai.completions import (
+    STREAMED_200,
+    ClientGone,
+    Formatter,
+    GenerationRun,
+    await_or_disconnect,
+    serve,
+)
+from server.openai.protocol import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
+from server.sequences.protocol import (
     ForkRequest,
     SequenceCompletionRequest,
     SequenceCreateRequest,
     TruncateRequest,
     sequence_view,
 )
-from server.serving import STREAMED_200, ClientGone, Formatter, GenerationRun, await_or_disconnect, serve
 from server.state import ServerContext
 
 router = APIRouter()

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from engine.api.errors import RequestNotFound
 from server.errors import APIError
 from server.metrics import CONTENT_TYPE
-from server.protocol_sequences import DetokenizeRequest, TokenizeRequest, sequence_view
+from server.sequences.protocol import DetokenizeRequest, TokenizeRequest, sequence_view
 from server.state import ServerContext
 
 public = APIRouter()

@@ -11,9 +11,9 @@ Guarantees:
 - Polymorphic fields (`prompt`, `stop`, message `content`) are checked by hand-written validators
   and normalised to one shape, so routes never re-check them and error locations stay plain field
   paths (no pydantic union tags).
-Responses are plain dicts built in `server.serving`, in OpenAI's exact shapes. The base model lives in
-`server.protocol`; structured-output and tool schemas and the refused/ignored field tables in
-`server.protocol`.
+Responses are plain dicts built in `server.openai.completions`, in OpenAI's exact shapes. The base model lives in
+`server.openai.protocol`; structured-output and tool schemas and the refused/ignored field tables in
+`server.openai.protocol`.
 """
 
 import json

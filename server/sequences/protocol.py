@@ -1,6 +1,6 @@
 """Request schemas of the stateful routes: sequences (create, continue, fork, truncate) and
 tokenize/detokenize, and the sequence object they answer with (`sequence_view`). The schemas share
-`server.protocol`'s base (strict types, explicit null = default) and, for a sequence continuation, its
+`server.openai.protocol`'s base (strict types, explicit null = default) and, for a sequence continuation, its
 sampling fields and refused-field tables."""
 
 import time
@@ -10,7 +10,7 @@ from pydantic import Field, field_validator, model_validator
 
 from engine.api.outputs import SequenceInfo
 from engine.api.sampling_params import MAX_LOGPROBS
-from server.protocol import (
+from server.openai.protocol import (
     CHAT_ONLY,
     COMPLETIONS_ONLY,
     UNSUPPORTED,

@@ -1,7 +1,7 @@
 """One generation from validated request to HTTP answer: the engine requests it runs as
 (`GenerationRun`), the OpenAI completion shapes it is answered in, the SSE framing of a stream, and
 `serve`, which turns a started run into one JSON body or an event stream. Chat's shapes and tool
-calls build on this in `server.chat`.
+calls build on this in `server.openai.tools`.
 
 Guarantees of `serve`:
 - Non-streaming: the route waits for every choice while watching for the client to leave; if it

@@ -57,7 +57,8 @@ def engine_factory(args: argparse.Namespace) -> Callable[[], object]:
 
 def limits_of(args: argparse.Namespace) -> Limits:
     """The serve flags' request limits (`--max-body-bytes`, `--max-prompts`, `--max-choices`)."""
-    return Limits(max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts, max_choices=args.max_choices)
+    return Limits(max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts,
+                  max_choices=args.max_choices)
 
 
 def pull(name: str, dtype: str):
@@ -69,7 +70,7 @@ def pull(name: str, dtype: str):
 
 
 def model_cache() -> tuple[str, list[dict], list]:
-    """`cellserve models`: the cache folder, every converted model in it, and the known models not pulled yet."""
+    """`cellserve models`: the cache folder, the converted models in it, the known models not pulled yet."""
     from engine.loader.source import KNOWN_MODELS, cached_models, cellserve_home
 
     rows = cached_models()

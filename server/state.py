@@ -25,7 +25,7 @@ log = logging.getLogger("cellserve.server")
 
 if TYPE_CHECKING:  # the server never imports the engine (torch) at run time; it is injected
     from engine.api.client import EngineClient
-    from server.openai.completions import GenerationRun
+    from server.openai.generation import GenerationRun
 
 EngineFactory = Callable[[], "EngineClient"]
 

@@ -60,7 +60,8 @@ class TokenizerService:
 
     async def encode_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
                           tools: list[dict] | None = None) -> list[int]:
-        """`tools`: OpenAI tool definitions for templates that render them (`server.openai.tools.supports_tools`)."""
+        """`tools`: OpenAI tool definitions for templates that render them
+        (`server.openai.tools.supports_tools`)."""
         if not self.has_chat_template:
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions with a "
                            "plain prompt instead", param="messages")

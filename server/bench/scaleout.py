@@ -34,8 +34,8 @@ from pathlib import Path
 
 import httpx
 
+from engine.bench.machine import machine_info
 from server.bench.overhead import bench_model
-from server.bench.report import machine_info
 
 TICK = os.sysconf("SC_CLK_TCK")
 

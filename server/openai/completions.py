@@ -1,260 +1,20 @@
-"""One generation from validated request to HTTP answer: the engine requests it runs as
-(`GenerationRun`), the OpenAI completion shapes it is answered in, the SSE framing of a stream, and
-`serve`, which turns a started run into one JSON body or an event stream. Chat's shapes and tool
-calls build on this in `server.openai.tools`.
+"""OpenAI response and stream-chunk shapes, built as plain dicts from per-choice state by a `Formatter`
+(completions' own; `server.openai.chat.ChatFormatter` builds on it).
 
-Guarantees of `serve`:
-- Non-streaming: the route waits for every choice while watching for the client to leave; if it
-  leaves, the engine requests are cancelled (cells freed at the next tick) and nothing is sent.
-- Streaming: chunks in OpenAI's shapes, `data: [DONE]` last; an engine failure mid-stream becomes a
-  `data: {"error": {...}}` event followed by `[DONE]`; a dropped client cancels the engine requests.
-- Both: the run is registered under its request id for `POST /v1/requests/{id}/cancel` while it
-  lives and unregistered after; the `X-Request-Id` header carries the id.
+Guarantees: the field names, nesting and `object` values match OpenAI's `text_completion`,
+`chat.completion` and `chat.completion.chunk` objects, so the `openai` SDK parses them unchanged;
+`usage` counts the prompt once per prompt (not once per choice); logprobs follow the legacy
+completions shape (`tokens`/`token_logprobs`/`top_logprobs`/`text_offset`) or the chat shape
+(`content: [{token, logprob, bytes, top_logprobs}]`). Nothing here touches the engine or tokenizes
+text; token strings come from the injected `token_str` callable, the model name is given.
 """
 
-import asyncio
-import contextlib
-import json
-import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
-
-import anyio
-from fastapi import Request
-from fastapi.responses import JSONResponse, Response
-from starlette.responses import StreamingResponse
-from starlette.types import Receive, Scope, Send
 
 from engine.api.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from server.errors import APIError, as_api_error, error_body
-from server.metrics import RequestObserver, ServerMetrics
-from server.state import ServerContext
-
-if TYPE_CHECKING:  # types only: the server does not import the engine (torch) at run time
-    from engine.api.client import EngineClient
-    from engine.api.sampling_params import SamplingParams
-
-log = logging.getLogger("cellserve.server")
-
-
-# --- One HTTP generation as engine requests: start, merge their outputs, cancel what is left.
-#
-# A completion with several prompts becomes one engine request per prompt (ids `<id>-0`, `<id>-1`,
-# ...; a single prompt keeps `<id>` itself); `n` choices per prompt are the engine's business (it
-# prefills once and forks). `GenerationRun` guarantees:
-# - `start()` either admits every engine request or raises the engine's typed error (QueueFull,
-#   PromptTooLong, SequenceBusy, ...) after cancelling the ones it had submitted, so a refused HTTP
-#   request leaves nothing behind.
-# - `events()` yields `(prompt_index, RequestOutput)` in arrival order, per-request order preserved.
-# - `cancel()` cancels only requests that have not finished (the consumer still reads their final
-#   `cancelled` output); `close()` is what every route calls in a `finally`: it cancels what is left
-#   and counts it, so a dropped client or an exception frees the request's cells at the next tick.
-
-_END = object()
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected while we were waiting on the engine."""
-
-
-class GenerationRun:
-    def __init__(self, engine: "EngineClient", request_id: str, prompts: list[list[int]], params: "SamplingParams", *,
-                 seq_id: str | None = None, metrics: ServerMetrics | None = None):
-        self.engine = engine
-        self.request_id = request_id
-        self.prompts = prompts
-        self.params = params
-        self.seq_id = seq_id
-        self.engine_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{k}" for k in range(len(prompts))]
-        self._metrics = metrics
-        self._observers = [RequestObserver(metrics) for _ in prompts]
-        self._closed = False
-        self._streams: list[AsyncIterator[RequestOutput]] = []
-        self._attempted = 0
-        self._finished: set[int] = set()
-
-    async def start(self) -> None:
-        """Submit every engine request; on any refusal (or our own cancellation) cancel the others."""
-        try:
-            for rid, ids in zip(self.engine_ids, self.prompts):
-                self._attempted += 1  # counted before the await: a cancelled submit may still land
-                self._streams.append(await self.engine.submit(rid, ids, self.params, seq_id=self.seq_id))
-        except BaseException:
-            self.cancel()
-            raise
-
-    def prompt_tokens(self) -> int:
-        return sum(len(p) for p in self.prompts)
-
-    async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
-        if len(self._streams) == 1:
-            async for out in self._one(0):
-                yield 0, out
-            return
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(k: int) -> None:
-            try:
-                async for out in self._one(k):
-                    await queue.put((k, out))
-            except Exception as exc:  # noqa: BLE001 -- re-raised on the consumer side, in order
-                await queue.put((k, exc))
-            finally:
-                await queue.put((k, _END))
-
-        tasks = [asyncio.create_task(pump(k)) for k in range(len(self._streams))]
-        try:
-            live = len(tasks)
-            while live:
-                k, item = await queue.get()
-                if item is _END:
-                    live -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield k, item
-        finally:
-            for t in tasks:
-                t.cancel()
-
-    async def _one(self, k: int) -> AsyncIterator[RequestOutput]:
-        observer = self._observers[k]
-        async for out in self._streams[k]:
-            observer.observe(out)
-            if out.finished:
-                self._finished.add(k)
-            yield out
-        self._finished.add(k)
-
-    def close(self) -> None:
-        """The consumer is done with this run: cancel what is unfinished and count it as cancelled
-        (nobody will read the engine's final `cancelled` output of an abandoned request)."""
-        if self._closed:
-            return
-        self._closed = True
-        for k in range(self._attempted):
-            if k not in self._finished:
-                self._observers[k].abandon(self.params.n)
-        self.cancel()
-
-    def cancel(self) -> None:
-        """Cancel (at the engine's next tick) every submitted engine request that has not finished.
-
-        Queued after the submits, so it lands after them even if a submit was still in flight."""
-        for k in range(self._attempted):
-            if k not in self._finished:
-                self.engine.cancel_nowait(self.engine_ids[k])
-
-
-async def await_or_disconnect(request: Request, work: Awaitable, on_disconnect) -> Any:
-    """Await `work`, but if the client disconnects first: call `on_disconnect()` and raise ClientGone.
-
-    Listens for the ASGI `http.disconnect` message (the body has already been read, so the next
-    message can only be that) instead of polling `request.is_disconnected()`: it reacts at once and
-    costs nothing while waiting.
-    """
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_disconnect(request.receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        on_disconnect()
-        raise
-    gone = watcher.done()  # checked before the watcher is cancelled below
-    watcher.cancel()
-    if task.done() and not gone:
-        return task.result()
-    # The client is gone (even if the work finished in the same turn: nobody would read the answer).
-    task.cancel()
-    on_disconnect()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
-    raise ClientGone()
-
-
-async def wait_disconnect(receive: Receive) -> None:
-    """Return when the client disconnects: the one way both a waiting route and a stream notice it
-    (the body has been read, so the next ASGI message can only be `http.disconnect`)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return
-
-
-# --- Server-sent events: exact `data: {json}\n\n` framing and cancel-on-disconnect.
-#
-# `SSEResponse` streams an async iterator of already-built payloads (dicts become one JSON event,
-# the literal `DONE` becomes `data: [DONE]`). It always races the stream against the client's
-# `http.disconnect`, even under ASGI 2.4 servers where Starlette's `StreamingResponse` would only
-# notice a dropped client at its next write: a request still waiting in the queue (nothing to write
-# yet) must be cancelled as soon as its client leaves. When the client goes, the body iterator is
-# cancelled and closed, so its `finally` runs and cancels the engine request (cells freed next tick).
-# JSON encoding happens here, on the asyncio thread, never on the engine's loop thread.
-
-DONE = object()  # sentinel payload: the terminating `data: [DONE]` event
-SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
-# OpenAPI: a generation route answers 200 as JSON, or as an SSE stream when the body says `stream: true`.
-STREAMED_200 = {200: {"description": "the response; with `stream: true` a server-sent event stream",
-                      "content": {"text/event-stream": {"schema": {}}}}}
-
-
-def encode_event(payload: Any) -> bytes:
-    """One SSE event: `data: <json>\\n\\n` (or `data: [DONE]\\n\\n`). JSON keeps non-ASCII as is."""
-    if payload is DONE:
-        return b"data: [DONE]\n\n"
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
-
-
-async def _encoded(payloads: AsyncIterator[Any]) -> AsyncIterator[bytes]:
-    async for payload in payloads:
-        yield encode_event(payload)
-
-
-class SSEResponse(StreamingResponse):
-    """A `text/event-stream` response whose producer is cancelled the moment the client disconnects."""
-
-    media_type = "text/event-stream"
-
-    def __init__(self, payloads: AsyncIterator[Any], *, headers: dict[str, str] | None = None):
-        self._payloads = payloads
-        super().__init__(_encoded(payloads), headers={**SSE_HEADERS, **(headers or {})})
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        try:
-            async with anyio.create_task_group() as tg:
-
-                async def stream() -> None:
-                    try:
-                        await self.stream_response(send)
-                    except OSError:  # the client went away between our disconnect check and a write
-                        pass
-                    tg.cancel_scope.cancel()
-
-                tg.start_soon(stream)
-                await wait_disconnect(receive)
-                tg.cancel_scope.cancel()
-        finally:
-            with anyio.CancelScope(shield=True):
-                await self._close_producer()
-
-    async def _close_producer(self) -> None:
-        for it in (self.body_iterator, self._payloads):
-            aclose = getattr(it, "aclose", None)
-            if aclose is not None:
-                await aclose()
-
-
-# --- OpenAI response and stream-chunk shapes, built as plain dicts from per-choice state.
-#
-# Guarantees: the field names, nesting and `object` values match OpenAI's `text_completion`,
-# `chat.completion` and `chat.completion.chunk` objects, so the `openai` SDK parses them unchanged;
-# `usage` counts the prompt once per prompt (not once per choice); logprobs follow the legacy
-# completions shape (`tokens`/`token_logprobs`/`top_logprobs`/`text_offset`) or the chat shape
-# (`content: [{token, logprob, bytes, top_logprobs}]`). Nothing here touches the engine or tokenizes
-# text; token strings come from the injected `token_str` callable.
+from server.openai.generation import GenerationRun
 
 TokenStr = Callable[[int], str]
 
@@ -373,11 +133,12 @@ class Formatter:
 
     chunk_object = "text_completion"
 
-    def __init__(self, ctx: ServerContext, run: GenerationRun, *, n: int, want_logprobs: bool,
+    def __init__(self, run: GenerationRun, *, model: str, token_str: TokenStr, n: int, want_logprobs: bool,
                  include_usage: bool = False, prefixes: list[str] | None = None, extra: dict | None = None,
                  vllm_prompt_logprobs: int | None = None):
-        """`vllm_prompt_logprobs`: add vLLM's per-choice `prompt_logprobs` (k alternatives per token)."""
-        self.ctx, self.run = ctx, run
+        """`model`: the model name the answers carry; `token_str`: a token id's text (for logprobs).
+        `vllm_prompt_logprobs`: add vLLM's per-choice `prompt_logprobs` (k alternatives per token)."""
+        self.run, self.model, self.token_str = run, model, token_str
         self.want_logprobs = want_logprobs
         self.include_usage = include_usage
         self.created = now()
@@ -412,21 +173,21 @@ class Formatter:
         plp = out.prompt_logprobs
         if plp is not None:  # once per prompt
             if self.want_logprobs and self.echo:
-                self.prompt_lps[k] = prompt_logprobs(plp, self.ctx.tokens.token_str)
+                self.prompt_lps[k] = prompt_logprobs(plp, self.token_str)
             if self.vllm_k is not None:
-                self.vllm_lps[k] = vllm_prompt_logprobs(plp, self.ctx.tokens.token_str, self.vllm_k)
+                self.vllm_lps[k] = vllm_prompt_logprobs(plp, self.token_str, self.vllm_k)
 
     def ordered(self) -> list[ChoiceState]:
         return sorted(self.states.values(), key=lambda s: s.index)
 
     # completions shapes (ChatFormatter overrides)
     def final(self) -> dict:
-        choices = [completion_choice(s, self.ctx.tokens.token_str, self.want_logprobs,
+        choices = [completion_choice(s, self.token_str, self.want_logprobs,
                                      self.prompt_lps.get(s.prompt_index)) for s in self.ordered()]
         if self.vllm_k is not None:
             for choice, s in zip(choices, self.ordered()):
                 choice["prompt_logprobs"] = self.vllm_lps.get(s.prompt_index)
-        body = completion_response(self.run.request_id, self.created, self.ctx.model_name, choices,
+        body = completion_response(self.run.request_id, self.created, self.model, choices,
                                    self.total_usage())
         return {**body, **self.extra}
 
@@ -436,7 +197,7 @@ class Formatter:
     def delta_chunk(self, st: ChoiceState, co: CompletionOutput, first: bool) -> dict:
         lp = None
         if self.want_logprobs:
-            lp = completion_logprobs(co.logprobs or [], self.ctx.tokens.token_str, len(st.prefix) + st.lp_chars)
+            lp = completion_logprobs(co.logprobs or [], self.token_str, len(st.prefix) + st.lp_chars)
             st.lp_chars += sum(len(t) for t in lp["tokens"])
             if first:
                 lp = join_logprobs(self.prompt_lps.get(st.prompt_index), lp)
@@ -448,70 +209,6 @@ class Formatter:
         return self._chunk([choice])
 
     def _chunk(self, choices: list[dict]) -> dict:
-        out = chunk(self.chunk_object, self.run.request_id, self.created, self.ctx.model_name, choices,
+        out = chunk(self.chunk_object, self.run.request_id, self.created, self.model, choices,
                     self.include_usage)
         return {**out, **self.extra}
-
-
-async def serve(request: Request, ctx: ServerContext, run: GenerationRun, fmt: Formatter, *,
-                stream: bool) -> Response:
-    """Start the run (typed engine errors become 4xx/5xx here) and answer in the asked-for mode."""
-    try:
-        await await_or_disconnect(request, run.start(), run.close)
-    except ClientGone:
-        return Response(status_code=499)
-    headers = {"X-Request-Id": run.request_id}
-    ctx.register(run)
-    if stream:
-        return SSEResponse(_stream(ctx, run, fmt), headers=headers)
-    try:
-        await await_or_disconnect(request, _collect(run, fmt), run.close)
-    except ClientGone:
-        return Response(status_code=499)
-    finally:
-        run.close()
-        ctx.unregister(run)
-    failed = [s for s in fmt.states.values() if s.finish_reason == "error"]
-    if failed:
-        raise APIError(500, f"generation failed: {failed[0].error or 'engine error'}", code="engine_error")
-    return JSONResponse(fmt.final(), headers=headers)
-
-
-async def _collect(run: GenerationRun, fmt: Formatter) -> None:
-    async for k, out in run.events():
-        fmt.note(k, out)
-        for co in out.outputs:
-            fmt.apply(k, co)
-
-
-async def _stream(ctx: ServerContext, run: GenerationRun, fmt: Formatter) -> AsyncIterator:
-    try:
-        for c in fmt.opening_chunks():
-            yield c
-        started: set[tuple[int, int]] = set()
-        async for k, out in run.events():
-            fmt.note(k, out)
-            for co in out.outputs:
-                first = (k, co.index) not in started
-                started.add((k, co.index))
-                st = fmt.apply(k, co)
-                if co.finish_reason == "error":
-                    yield error_body(500, f"generation failed: {co.error or 'engine error'}", code="engine_error")
-                    yield DONE
-                    return
-                if co.text or co.token_ids or co.finish_reason or (first and st.prefix):
-                    delta = fmt.delta_chunk(st, co, first)
-                    if delta is not None:
-                        yield delta
-        if fmt.include_usage:
-            use = fmt.total_usage()
-            yield usage_chunk(fmt.chunk_object, run.request_id, fmt.created, ctx.model_name, use)
-    except Exception as exc:  # any failure must reach the client as an error event
-        err = as_api_error(exc)
-        if err.status >= 500:
-            log.exception("stream %s failed", run.request_id)
-        yield err.body()
-    finally:
-        run.close()
-        ctx.unregister(run)
-    yield DONE

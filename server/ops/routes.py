@@ -14,7 +14,8 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from engine.api.errors import RequestNotFound
 from server.errors import APIError
 from server.metrics import CONTENT_TYPE
-from server.sequences.protocol import DetokenizeRequest, TokenizeRequest, sequence_view
+from server.ops.protocol import DetokenizeRequest, TokenizeRequest
+from server.sequences.protocol import sequence_view
 from server.state import ServerContext
 
 public = APIRouter()

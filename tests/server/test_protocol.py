@@ -11,15 +11,11 @@ from engine.api.outputs import TokenLogprob
 from server.cli import parse_size
 from server.errors import APIError, param_from_loc, validation_error
 from server.openai import completions
-from server.openai.completions import DONE, encode_event
+from server.openai.chat import chat_logprobs
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest
-from server.openai.tools import chat_logprobs
-from server.sequences.protocol import (
-    DetokenizeRequest,
-    SequenceCompletionRequest,
-    SequenceCreateRequest,
-    TokenizeRequest,
-)
+from server.openai.sse import DONE, encode_event
+from server.ops.protocol import DetokenizeRequest, TokenizeRequest
+from server.sequences.protocol import SequenceCompletionRequest, SequenceCreateRequest
 
 
 def as_400(model, data) -> APIError:

@@ -1,6 +1,5 @@
-"""The FastAPI app: the OpenAI generation routes (completions, chat), error handlers, the API-key check,
-the body-size limit and the engine's lifecycle, with the engine injected. The stateful routes live in
-`server.routes_sequences` and `server.routes_ops`.
+"""The FastAPI app (`build_app`): mounts the routers behind the middleware, installs the error handlers
+and ties the engine's lifecycle to the app's.
 
 `build_app(engine, ...)` takes either a ready `EngineClient` (an `AsyncEngine`) (tests build a real one from a tiny
 seeded model) or a zero-argument factory that builds one (the CLI: the model loads in a worker
@@ -10,107 +9,22 @@ period) when it stops. `server/` never touches tensors: it talks to the engine o
 AsyncEngine API (generate, cancel, sequence verbs, stats, tokenizer).
 """
 
-import hmac
-import json
-import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Union
 
-from fastapi import APIRouter, Depends, FastAPI, Request
-from fastapi.responses import Response
-from starlette.exceptions import HTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
+from fastapi import Depends, FastAPI
 
-from engine.api.ids import new_id
-from server import routes_ops, routes_sequences
-from server.chat import ChatFormatter, call_grammar, supports_tools, template_tools
-from server.context import EngineFactory, Limits, ServerContext
-from server.errors import ERROR_RESPONSES, APIError, error_body, install_error_handlers, without_422
-from server.protocol import (
-    COMPLETION_DEFAULT_MAX_TOKENS,
-    ChatCompletionRequest,
-    CompletionRequest,
-    sampling_params,
-)
-from server.serving import STREAMED_200, Formatter, GenerationRun, serve
+from server.errors import ERROR_RESPONSES, install_error_handlers, without_422
+from server.limits import Limits
+from server.middleware import BodySizeLimit, HeadAsGet, require_api_key
+from server.openai import routes as openai_routes
+from server.ops import routes as ops_routes
+from server.sequences import routes as sequence_routes
+from server.state import EngineFactory, ServerContext
 
 if TYPE_CHECKING:  # the server never imports the engine (torch) at run time; it is injected
     from engine.api.client import EngineClient
-
-log = logging.getLogger("cellserve.server")
-
-
-async def require_api_key(request: Request) -> None:
-    """`Authorization: Bearer <key>` when the server has a key; constant-time compare."""
-    expected = ServerContext.of(request).api_key
-    if not expected:
-        return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
-        raise APIError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>' with the "
-                       "key the server was started with (--api-key)", code="invalid_api_key")
-
-
-class HeadAsGet:
-    """ASGI middleware: a HEAD request is routed as the GET it stands for (HEAD-based health checks);
-    the server (uvicorn) still sees HEAD in its own scope and sends the headers without the body."""
-
-    def __init__(self, app: ASGIApp):
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "HEAD":
-            scope = {**scope, "method": "GET"}
-        await self.app(scope, receive, send)
-
-
-class BodySizeLimit:
-    """ASGI middleware: refuse request bodies over `limits.max_body_bytes` with 413, unread."""
-
-    def __init__(self, app: ASGIApp, limits: Limits):
-        self.app = app
-        self.limits = limits
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        declared = _content_length(scope)
-        if declared is not None and declared > self.limits.max_body_bytes:
-            await _send_413(send, self.limits.body_too_large(declared))
-            return
-        received = 0
-
-        async def counted() -> Message:
-            nonlocal received
-            message = await receive()
-            if message["type"] == "http.request":
-                received += len(message.get("body", b""))
-                if received > self.limits.max_body_bytes:
-                    raise HTTPException(413, self.limits.body_too_large())
-            return message
-
-        await self.app(scope, counted, send)
-
-
-def _content_length(scope: Scope) -> int | None:
-    for name, value in scope.get("headers", []):
-        if name == b"content-length":
-            try:
-                return int(value)
-            except ValueError:
-                return None
-    return None
-
-
-async def _send_413(send: Send, message: str) -> None:
-    body = json.dumps(error_body(413, message, code="body_too_large")).encode()
-    await send({"type": "http.response.start", "status": 413,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            (b"connection", b"close")]})
-    await send({"type": "http.response.body", "body": body})
 
 
 def build_app(engine: Union["EngineClient", EngineFactory], *, served_model_name: str | None = None,
@@ -139,9 +53,9 @@ def build_app(engine: Union["EngineClient", EngineFactory], *, served_model_name
                   description="Multi-sequence LLM inference over one shared pool of KV cells.", **docs)
     app.state.ctx = ctx
     install_error_handlers(app)
-    app.include_router(routes_ops.public, responses=ERROR_RESPONSES)
+    app.include_router(ops_routes.public, responses=ERROR_RESPONSES)
     guarded = [Depends(require_api_key)]
-    for router in (openai_router, routes_sequences.router, routes_ops.router):
+    for router in (openai_routes.router, sequence_routes.router, ops_routes.router):
         app.include_router(router, dependencies=guarded, responses=ERROR_RESPONSES)
     _document_errors_only_as_sent(app)
     app.add_middleware(HeadAsGet)
@@ -159,62 +73,3 @@ def _document_errors_only_as_sent(app: FastAPI) -> None:
         return app.openapi_schema
 
     app.openapi = openapi
-
-
-# --- OpenAI-compatible generation routes: `POST /v1/completions` and `POST /v1/chat/completions`.
-#
-# Each route only translates: validate (pydantic), tokenize (worker thread), build `SamplingParams`,
-# start a `GenerationRun`, and let `server.serving` answer as JSON or SSE. Defaults follow OpenAI:
-# completions `max_tokens` 16, chat `max_tokens` up to the context that is left.
-
-openai_router = APIRouter()
-
-
-@openai_router.post("/v1/completions", responses=STREAMED_200)
-async def completions(body: CompletionRequest, request: Request) -> Response:
-    ctx = ServerContext.of(request)
-    engine = ctx.require_engine()
-    ctx.limits.check_choices(len(body.prompt), body.n)
-    prompts = [await ctx.tokens.prompt_ids(p) for p in body.prompt]
-    prefixes = None
-    if body.echo:
-        prefixes = [p if isinstance(p, str) else await ctx.tokens.decode(p) for p in body.prompt]
-    max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
-    engine.check_fits([len(p) for p in prompts], max_tokens, body.n)
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs,
-                             prompt_logprobs=body.prompt_logprobs_k())
-    run = GenerationRun(engine, new_id("cmpl"), prompts, params, metrics=ctx.metrics)
-    fmt = Formatter(ctx, run, n=body.n, want_logprobs=body.logprobs is not None,
-                    include_usage=body.include_usage(), prefixes=prefixes, vllm_prompt_logprobs=body.prompt_logprobs)
-    return await serve(request, ctx, run, fmt, stream=body.stream)
-
-
-@openai_router.post("/v1/chat/completions", responses=STREAMED_200)
-async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-    ctx = ServerContext.of(request)
-    engine = ctx.require_engine()
-    ctx.limits.check_choices(1, body.n)
-    mode = body.tool_mode()
-    tools = None
-    if mode != "none":
-        if supports_tools(getattr(ctx.tokens.tok, "chat_template", None)):
-            tools = template_tools(body.tools)
-        elif mode == "auto":
-            raise APIError(400, "this model's chat template cannot render tools, so the model cannot choose to "
-                           "call one; send tool_choice 'required' or a named function (decoding is then "
-                           "constrained to a well-formed call), or no tools", param="tools")
-    prompt = await ctx.tokens.prompt_ids(None, body.messages, tools=tools,
-                                         add_generation_prompt=body.add_generation_prompt)
-    max_tokens = body.max_new_tokens()
-    if max_tokens is None:
-        max_tokens = engine.max_tokens_left(len(prompt), body.n)
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    guided = None
-    if mode in ("required", "named") or (mode == "auto" and body.guided() is None):
-        guided = call_grammar(body.tools, body.tool_name(), parallel=body.parallel_tool_calls,
-                              triggered=mode == "auto")
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, guided=guided)
-    run = GenerationRun(engine, new_id("chatcmpl"), [prompt], params, metrics=ctx.metrics)
-    fmt = ChatFormatter(ctx, run, n=body.n, want_logprobs=body.logprobs, include_usage=body.include_usage(),
-                        tools=mode != "none", parallel_tool_calls=body.parallel_tool_calls)
-    return await serve(request, ctx, run, fmt, stream=body.stream)

@@ -14,16 +14,13 @@ import re
 import signal
 import sys
 import threading
-from collections.abc import Callable
 
 from engine.api.args import EngineArgs
-from server.context import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CHOICES, DEFAULT_MAX_PROMPTS
+from server.config import KEEP_ALIVE_S, engine_factory, human_bytes, limits_of, model_cache, pull
+from server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CHOICES, DEFAULT_MAX_PROMPTS
 
 log = logging.getLogger("cellserve")
 ENGINE = EngineArgs()  # the engine flags' defaults
-# Idle keep-alive connections are closed after this long. Well above common clients' own pool expiry
-# (httpx: 5 s), so a client never reuses a connection at the instant the server closes it (ReadError).
-KEEP_ALIVE_S = 30
 SHUTDOWN_SLACK_S = 10  # after SIGTERM, the process exits at most this long after the grace period
 
 _SIZE_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "kib": 2**10, "m": 10**6, "mb": 10**6, "mib": 2**20,
@@ -40,13 +37,6 @@ def parse_size(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"size must be positive, got {text!r}")
     return value
-
-
-def human_bytes(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
 
 
 def _positive_int(text: str) -> int:
@@ -96,40 +86,10 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
-def engine_args_of(args: argparse.Namespace) -> EngineArgs:
-    """The serve flags as the one `EngineArgs` every engine is built from."""
-    return EngineArgs(model=args.model, dtype=args.dtype, n_cells=args.n_cells, kv_memory_bytes=args.kv_memory,
-                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                      max_queue=args.max_queue, seq_ttl_s=args.seq_ttl, threads=args.threads,
-                      attention=args.attention, prefix_caching=not args.no_prefix_cache)
-
-
-def engine_factory(args: argparse.Namespace) -> Callable[[], object]:
-    """A zero-argument builder the app calls in a worker thread (model loading takes seconds)."""
-
-    def build():
-        from engine.core.async_engine import AsyncEngine  # torch-heavy; only when serving
-        from engine.loader.source import resolve_args
-
-        # a .gguf is converted once, a known name pulled once
-        engine_args, name = resolve_args(engine_args_of(args))
-        log.info("loading model %s from %s%s", name, engine_args.model, "" if args.model else " (the bundled model)")
-        engine = AsyncEngine.from_args(engine_args, model_name=name)
-        pool = engine.n_cells * engine.cell_bytes
-        log.info("loaded %s (%s, context %d tokens); cell pool: %d cells x %d B = %s; prefix cache %s",
-                 engine.model_name, engine.dtype, engine.max_model_len, engine.n_cells,
-                 engine.cell_bytes, human_bytes(pool),
-                 "on" if engine.prefix_caching else "off (--no-prefix-cache)")
-        return engine
-
-    return build
-
-
 def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     from server.app import build_app
-    from server.context import Limits
 
     failed: list[str] = []
     server: uvicorn.Server | None = None
@@ -139,9 +99,8 @@ def run_server(args: argparse.Namespace) -> int:
         if server is not None:
             server.should_exit = True
 
-    limits = Limits(max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts, max_choices=args.max_choices)
     app = build_app(engine_factory(args), served_model_name=args.served_model_name, api_key=args.api_key,
-                    shutdown_grace_s=args.shutdown_grace, on_fatal=on_fatal, limits=limits)
+                    shutdown_grace_s=args.shutdown_grace, on_fatal=on_fatal, limits=limits_of(args))
     ctx = app.state.ctx
 
     class DrainingServer(uvicorn.Server):
@@ -181,10 +140,9 @@ def _exit_now() -> None:
 def pull_command(name: str, dtype: str) -> int:
     """`cellserve pull NAME`: the folder on stdout; on failure one line on stderr and status 1."""
     from engine.api.errors import ModelSourceError
-    from engine.loader.source import resolve_model
 
     try:
-        source = resolve_model(name, dtype)
+        source = pull(name, dtype)
     except ModelSourceError as exc:
         print(f"cellserve pull: {exc}", file=sys.stderr)
         return 1
@@ -195,17 +153,13 @@ def pull_command(name: str, dtype: str) -> int:
 
 def models_command() -> int:
     """`cellserve models`: every converted folder in the cache, then the known names not pulled yet."""
-    from engine.loader.source import KNOWN_MODELS, cached_models, cellserve_home
-
-    rows = cached_models()
-    print(f"cache: {cellserve_home()}")
+    home, rows, not_pulled = model_cache()
+    print(f"cache: {home}")
     print(f"{'NAME':<28} {'DTYPE':<9} {'SIZE':>10}  PATH")
     for r in rows:
         print(f"{r.get('name', '?'):<28} {r.get('dtype', '?'):<9} {human_bytes(r['bytes']):>10}  {r['path']}")
-    pulled = {r.get("name") for r in rows}
-    for spec in KNOWN_MODELS.values():
-        if spec.name not in pulled:
-            print(f"{spec.name:<28} {'-':<9} {'-':>10}  not pulled: cellserve pull {spec.name}  ({spec.about})")
+    for spec in not_pulled:
+        print(f"{spec.name:<28} {'-':<9} {'-':>10}  not pulled: cellserve pull {spec.name}  ({spec.about})")
     return 0
 
 

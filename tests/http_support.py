@@ -15,7 +15,7 @@ import uvicorn
 
 from engine.core.async_engine import AsyncEngine
 from server.app import build_app
-from server.cli import KEEP_ALIVE_S
+from server.config import KEEP_ALIVE_S
 
 MODEL_NAME = "tiny-llama"
 API_KEY = "sk-test-key"
@@ -46,7 +46,7 @@ class LiveServer:
     def __init__(self, model_dir: str, *, api_key: str | None = None, grace_s: float = 2.0, factory=None,
                  limits=None, **engine_kw):
         """`factory`: build the engine lazily through it instead (the app loads it in the background).
-        `limits`: a `server.context.Limits` (request limits), else the defaults."""
+        `limits`: a `server.limits.Limits` (request limits), else the defaults."""
         engine_kw.setdefault("n_cells", 2048)
         self.engine = None if factory else AsyncEngine.from_pretrained(model_dir, **engine_kw)
         self.fatal: list[str] = []

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from server.bench.report import machine_info
+from engine.bench.machine import machine_info
 
 HEALTH_TIMEOUT_S = 300.0
 BENCH_ENGINE = [sys.executable, "-m", "server.cli", "bench", "engine"]

@@ -7,26 +7,12 @@ plus every per-request record, so any statistic can be recomputed later from the
 from __future__ import annotations
 
 import json
-import os
-import platform
 import sys
 from pathlib import Path
 
 from server.bench.metrics import Dist, Summary
 from server.bench.multiturn import turn_stats, turns_json
 from server.bench.runner import LevelResult
-
-
-def machine_info() -> dict:
-    """Where the client ran: OS/platform, Python, CPU count, processor, hostname."""
-    return {
-        "platform": platform.platform(),
-        "python": platform.python_version(),
-        "machine": platform.machine(),
-        "processor": platform.processor() or "unknown",
-        "cpu_count": os.cpu_count(),
-        "hostname": platform.node(),
-    }
 
 
 def _fmt(value: float | None, digits: int = 2) -> str:

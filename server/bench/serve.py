@@ -23,7 +23,7 @@ from server.bench.forktree import probe_sequences
 from server.bench.jobs import Workload, make_job
 from server.bench.metrics import Slo, Summary, parse_slo, summarize
 from server.bench.multiturn import MultiTurnWorkload
-from server.bench.report import full_report, machine_info, print_report, results_json, write_json
+from server.bench.report import full_report, print_report, results_json, write_json
 from server.bench.runner import Level, LevelResult, run_level
 from server.bench.workloads import ForkTreeWorkload, RandomWorkload, SharedPrefixWorkload
 
@@ -217,6 +217,9 @@ def run_args(args: argparse.Namespace, command: str | None = None) -> int:
     summaries: list[Summary | None] = [
         None if r.skipped else summarize(r.records, r.duration_s, slo) for r in results
     ]
+    # torch-free, and imported only here: importing the load generator imports nothing of engine/
+    from engine.bench.machine import machine_info
+
     run = {
         "command": command or shlex.join(sys.argv),
         "machine": machine_info(),

@@ -23,9 +23,10 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
 
-from server.app import BodySizeLimit, HeadAsGet
-from server.context import CONTENT_TYPE, Limits
 from server.errors import error_body
+from server.limits import Limits
+from server.metrics import CONTENT_TYPE
+from server.middleware import BodySizeLimit, HeadAsGet
 from server.ray_serve.routing import (
     PREFIX_SLACK,
     LoadBoard,

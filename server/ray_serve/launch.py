@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 
-from server.context import Limits
+from server.config import KEEP_ALIVE_S, limits_of
 
 log = logging.getLogger("cellserve")
 APP_NAME = "cellserve"
@@ -54,8 +54,7 @@ def deploy(args: argparse.Namespace):
 
     serve.start(proxy_location="Disabled")
     serve.run(build_application(args), name=APP_NAME, route_prefix=None)
-    limits = Limits(max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts, max_choices=args.max_choices)
-    return build_ingress_app(replica_handles(APP_NAME, args.replicas), limits)
+    return build_ingress_app(replica_handles(APP_NAME, args.replicas), limits_of(args))
 
 
 def teardown(joined: bool) -> None:
@@ -96,8 +95,6 @@ def run_replicated(args: argparse.Namespace) -> int:
         return 2
 
     import uvicorn
-
-    from server.cli import KEEP_ALIVE_S
 
     threads = args.threads_per_replica or args.threads or 1
     try:

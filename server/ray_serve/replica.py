@@ -6,7 +6,7 @@ and streams the ASGI messages back (`forward`). So a replica answers exactly as 
 would (same routes, validation, errors, SSE), and only Ray moves bytes between processes.
 
 Guarantees:
-- every id the replica makes carries its index and a boot token (`engine.core.sequence.set_tag`), so sequence
+- every id the replica makes carries its index and a boot token (`engine.api.ids.set_tag`), so sequence
   and cancel routes come back here; an id of an earlier start of this replica (its process died and
   Ray Serve started a new one) is answered `404` with a message saying the replica restarted;
 - `forward` first yields `("accepted",)` at once, so the ingress can tell a replica that is not
@@ -38,17 +38,14 @@ class Replica:
 
     async def __init__(self, index: int, args: argparse.Namespace):
         from server.app import build_app
-        from server.cli import engine_factory
-        from server.context import Limits
+        from server.config import engine_factory, limits_of
 
         logging.basicConfig(level=getattr(args, "log_level", "info").upper())
         self.index, self.name, self.boot = index, replica_name(index), secrets.token_hex(4)
         set_tag(replica_tag(index, self.boot))
         engine = await asyncio.to_thread(engine_factory(args))  # the model loads before Serve routes here
-        limits = Limits(max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts,
-                        max_choices=args.max_choices)
         self.app = build_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
-                             shutdown_grace_s=args.shutdown_grace, limits=limits)
+                             shutdown_grace_s=args.shutdown_grace, limits=limits_of(args))
         self.ctx = self.app.state.ctx
         await self.ctx.startup()
         log.info("replica %s (boot %s, pid %d) ready", self.name, self.boot, os.getpid())

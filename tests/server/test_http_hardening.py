@@ -17,7 +17,7 @@ import pytest
 from http_support import API_KEY, LiveServer
 from soak_support import free_port
 
-from server.context import Limits
+from server.limits import Limits
 
 OK = {"prompt": "ROMEO:", "max_tokens": 3, "temperature": 0}
 

@@ -8,18 +8,14 @@ from pydantic import ValidationError
 
 from engine.api.errors import PromptTooLong, QueueFull
 from engine.api.outputs import TokenLogprob
-from server import serving
-from server.chat import chat_logprobs
 from server.cli import parse_size
 from server.errors import APIError, param_from_loc, validation_error
-from server.protocol import ChatCompletionRequest, CompletionRequest
-from server.protocol_sequences import (
-    DetokenizeRequest,
-    SequenceCompletionRequest,
-    SequenceCreateRequest,
-    TokenizeRequest,
-)
-from server.serving import DONE, encode_event
+from server.openai import completions
+from server.openai.chat import chat_logprobs
+from server.openai.protocol import ChatCompletionRequest, CompletionRequest
+from server.openai.sse import DONE, encode_event
+from server.ops.protocol import DetokenizeRequest, TokenizeRequest
+from server.sequences.protocol import SequenceCompletionRequest, SequenceCreateRequest
 
 
 def as_400(model, data) -> APIError:
@@ -142,7 +138,7 @@ def test_engine_errors_keep_status_code_and_param():
 def test_logprob_shapes():
     strs = {1: "he", 2: "llo", 3: "é"}.__getitem__
     lps = [TokenLogprob(1, -0.5, [(1, -0.5), (3, -1.0)]), TokenLogprob(2, -2.0, [(3, -0.1)])]
-    legacy = serving.completion_logprobs(lps, strs, 4)
+    legacy = completions.completion_logprobs(lps, strs, 4)
     assert legacy == {"tokens": ["he", "llo"], "token_logprobs": [-0.5, -2.0],
                       "top_logprobs": [{"he": -0.5, "é": -1.0}, {"é": -0.1, "llo": -2.0}], "text_offset": [4, 6]}
     chat = chat_logprobs(lps[:1], strs)
@@ -151,12 +147,12 @@ def test_logprob_shapes():
 
 
 def test_usage_and_chunk_shapes():
-    assert serving.usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+    assert completions.usage(3, 4) == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
                                    "prompt_tokens_details": {"cached_tokens": 0}}
-    c = serving.chunk("chat.completion.chunk", "id1", 5, "m", [], with_usage=True)
+    c = completions.chunk("chat.completion.chunk", "id1", 5, "m", [], with_usage=True)
     assert c["usage"] is None and c["object"] == "chat.completion.chunk"
-    assert "usage" not in serving.chunk("text_completion", "id1", 5, "m", [], with_usage=False)
-    u = serving.usage_chunk("text_completion", "id1", 5, "m", serving.usage(1, 1))
+    assert "usage" not in completions.chunk("text_completion", "id1", 5, "m", [], with_usage=False)
+    u = completions.usage_chunk("text_completion", "id1", 5, "m", completions.usage(1, 1))
     assert u["choices"] == [] and u["usage"]["total_tokens"] == 2
 
 

@@ -1,4 +1,5 @@
-"""Request schemas (pydantic v2) for every route: what a client may send, checked before any work.
+"""Request schemas (pydantic v2) of the OpenAI routes, and the sampling fields every generating route
+shares: what a client may send, checked before any work.
 
 Guarantees:
 - Unknown fields are ignored, as OpenAI's server does (the `openai` SDK's `extra_body` lands here), but a
@@ -11,15 +12,15 @@ Guarantees:
 - Polymorphic fields (`prompt`, `stop`, message `content`) are checked by hand-written validators
   and normalised to one shape, so routes never re-check them and error locations stay plain field
   paths (no pydantic union tags).
-Responses are plain dicts built in `server.serving`, in OpenAI's exact shapes. The base model lives in
-`server.protocol`; structured-output and tool schemas and the refused/ignored field tables in
-`server.protocol`.
+Responses are plain dicts built in `server.openai.completions` and `server.openai.chat`, in OpenAI's
+exact shapes. The base model lives in `server.schema`, the tool and response_format schemas in
+`server.openai.constraints`; the refused/ignored field tables are here.
 """
 
 import json
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from engine.api.sampling_params import (
     MAX_LOGPROBS,
@@ -31,53 +32,10 @@ from engine.api.sampling_params import (
     check_logit_bias,
 )
 from server.errors import APIError
+from server.openai.constraints import NamedToolChoice, ResponseFormat, Tool
+from server.schema import ParamError, StrictModel
 
-# --- The base of every request schema: strict types, explicit null = default, text that is valid Unicode,
-# and `ParamError` for cross-field problems that still name their param.
-
-
-class StrictModel(BaseModel):
-    """Strict types, unknown fields ignored, and an explicit `null` means "use the default" (as OpenAI)."""
-
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-    @model_validator(mode="before")
-    @classmethod
-    def _null_means_default(cls, data: Any) -> Any:
-        if isinstance(data, dict):
-            _check_text(data, "")
-            return {k: v for k, v in data.items() if v is not None}
-        return data
-
-
-class ParamError(ValueError):
-    """A cross-field problem that still names its param (kept by pydantic in the error's ctx)."""
-
-    def __init__(self, param: str, message: str):
-        super().__init__(message)
-        self.param = param
-
-
-def _check_text(value: Any, path: str) -> None:
-    """Every string in the body must be encodable Unicode: JSON allows escapes of lone surrogates
-    (`"\\ud800"`), which no tokenizer can take. Raises naming the field instead of failing later."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError as exc:
-            raise ParamError(path or "body", f"contains an unpaired surrogate (U+{ord(value[exc.start]):04X}) at "
-                             f"character {exc.start}, which is not valid Unicode text; send UTF-8 text") from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_text(key, path or "body")
-            _check_text(item, f"{path}.{key}" if path else str(key))
-    elif isinstance(value, list):
-        for i, item in enumerate(value):
-            _check_text(item, f"{path}[{i}]")
-
-
-# --- The tables of fields this server refuses or ignores, and the schemas of tool calling and
-# structured output (the request models below use them).
+# --- The tables of fields this server refuses or ignores (the request models below use them).
 
 # field -> the values that mean "off" (accepted and ignored); any other value is a 400 naming the field.
 UNSUPPORTED: dict[str, tuple] = {
@@ -133,57 +91,6 @@ def template_arguments(args: str | dict) -> dict | str:
             return args
         return parsed if isinstance(parsed, dict) else args
     return args
-
-
-class FunctionDef(StrictModel):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
-
-    def as_dict(self) -> dict:
-        out: dict[str, Any] = {"name": self.name}
-        if self.description is not None:
-            out["description"] = self.description
-        out["parameters"] = self.parameters if self.parameters is not None else {"type": "object", "properties": {}}
-        return out
-
-
-class Tool(StrictModel):
-    type: Literal["function"]
-    function: FunctionDef
-
-
-class NamedFunction(StrictModel):
-    name: str
-
-
-class NamedToolChoice(StrictModel):
-    type: Literal["function"]
-    function: NamedFunction
-
-
-class JsonSchemaFormat(StrictModel):
-    """`response_format.json_schema`: the output must be JSON valid against `schema` (always enforced by
-    the grammar, so `strict` true or false both get schema-valid JSON)."""
-
-    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
-    name: str = Field(min_length=1, max_length=256)
-    schema_: dict[str, Any] = Field(alias="schema")
-    strict: bool | None = None
-    description: str | None = None
-
-
-class ResponseFormat(StrictModel):
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: JsonSchemaFormat | None = None
-
-    @model_validator(mode="after")
-    def _schema_present(self):
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ParamError("response_format", "type json_schema needs a json_schema object: "
-                             "{'name': ..., 'schema': {...}, 'strict': true}")
-        return self
 
 
 ROLES = ("system", "developer", "user", "assistant", "tool", "function")

@@ -17,16 +17,19 @@ from fastapi.responses import Response
 
 from engine.api.errors import EngineError
 from engine.api.ids import new_id
-from server.context import ServerContext
-from server.protocol import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
-from server.protocol_sequences import (
+from server.openai.completions import Formatter
+from server.openai.generation import ClientGone, GenerationRun, await_or_disconnect
+from server.openai.protocol import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
+from server.openai.response import serve
+from server.openai.sse import STREAMED_200
+from server.sequences.protocol import (
     ForkRequest,
     SequenceCompletionRequest,
     SequenceCreateRequest,
     TruncateRequest,
     sequence_view,
 )
-from server.serving import STREAMED_200, ClientGone, Formatter, GenerationRun, await_or_disconnect, serve
+from server.state import ServerContext
 
 router = APIRouter()
 
@@ -72,7 +75,8 @@ async def sequence_completions(seq_id: str, body: SequenceCompletionRequest, req
     max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
     params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
     run = GenerationRun(engine, new_id("seqcmpl"), [ids], params, seq_id=seq_id, metrics=ctx.metrics)
-    fmt = Formatter(ctx, run, n=1, want_logprobs=body.logprobs is not None, include_usage=body.include_usage(),
+    fmt = Formatter(run, model=ctx.model_name, token_str=ctx.tokens.token_str, n=1,
+                    want_logprobs=body.logprobs is not None, include_usage=body.include_usage(),
                     extra={"sequence_id": seq_id})
     return await serve(request, ctx, run, fmt, stream=body.stream)
 

@@ -1,7 +1,7 @@
-"""Request schemas of the stateful routes: sequences (create, continue, fork, truncate) and
-tokenize/detokenize, and the sequence object they answer with (`sequence_view`). The schemas share
-`server.protocol`'s base (strict types, explicit null = default) and, for a sequence continuation, its
-sampling fields and refused-field tables."""
+"""Request schemas of the sequence routes (create, continue, fork, truncate) and the sequence object they
+answer with (`sequence_view`). The schemas share `server.schema`'s base (strict types, explicit null =
+default) and, for a sequence continuation, `server.openai.protocol`'s sampling fields and refused-field
+tables; `PromptOrMessages` (exactly one prompt or chat messages) is `/tokenize`'s base too."""
 
 import time
 from typing import Any, ClassVar
@@ -10,16 +10,15 @@ from pydantic import Field, field_validator, model_validator
 
 from engine.api.outputs import SequenceInfo
 from engine.api.sampling_params import MAX_LOGPROBS
-from server.protocol import (
+from server.openai.protocol import (
     CHAT_ONLY,
     COMPLETIONS_ONLY,
     UNSUPPORTED,
     ChatMessage,
-    ParamError,
     SamplingFields,
-    StrictModel,
     is_token_list,
 )
+from server.schema import ParamError, StrictModel
 
 
 def normalize_single_prompt(value: Any) -> str | list[int] | None:
@@ -31,7 +30,9 @@ def normalize_single_prompt(value: Any) -> str | list[int] | None:
     raise ValueError("prompt must be a string or a non-empty list of non-negative token ids")
 
 
-class _PromptOrMessages(StrictModel):
+class PromptOrMessages(StrictModel):
+    """Exactly one prompt (text or token ids) or chat messages: a sequence's input, and /tokenize's."""
+
     prompt: str | list[int] | None = None
     messages: list[ChatMessage] | None = None
     add_generation_prompt: bool = True
@@ -46,7 +47,7 @@ class _PromptOrMessages(StrictModel):
             raise ParamError("prompt", "give exactly one of prompt or messages")
 
 
-class SequenceCreateRequest(_PromptOrMessages):
+class SequenceCreateRequest(PromptOrMessages):
     model: str | None = None
 
     @model_validator(mode="after")
@@ -57,7 +58,7 @@ class SequenceCreateRequest(_PromptOrMessages):
         return self
 
 
-class SequenceCompletionRequest(SamplingFields, _PromptOrMessages):
+class SequenceCompletionRequest(SamplingFields, PromptOrMessages):
     """Append optional text to a sequence, then generate into it (one choice: n must be 1)."""
 
     unsupported: ClassVar[dict[str, tuple]] = {**UNSUPPORTED, **CHAT_ONLY, **COMPLETIONS_ONLY}
@@ -81,31 +82,6 @@ class ForkRequest(StrictModel):
 
 class TruncateRequest(StrictModel):
     length: int = Field(ge=0)
-
-
-class TokenizeRequest(_PromptOrMessages):
-    model: str | None = None
-    add_special_tokens: bool = True
-    return_token_strs: bool = False
-
-    @model_validator(mode="after")
-    def _exactly_one(self):
-        self._require_exactly_one()
-        if isinstance(self.prompt, list):
-            raise ParamError("prompt", "prompt must be a string (it is what gets tokenized)")
-        return self
-
-
-class DetokenizeRequest(StrictModel):
-    model: str | None = None
-    tokens: list[int]
-
-    @field_validator("tokens")
-    @classmethod
-    def _non_negative(cls, value: list[int]) -> list[int]:
-        if any(t < 0 for t in value):
-            raise ValueError("token ids must be non-negative")
-        return value
 
 
 def _epoch(monotonic_t: float) -> float:

@@ -12,9 +12,11 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from engine.api.errors import RequestNotFound
-from server.context import CONTENT_TYPE, ServerContext
 from server.errors import APIError
-from server.protocol_sequences import DetokenizeRequest, TokenizeRequest, sequence_view
+from server.metrics import CONTENT_TYPE
+from server.ops.protocol import DetokenizeRequest, TokenizeRequest
+from server.sequences.protocol import sequence_view
+from server.state import ServerContext
 
 public = APIRouter()
 router = APIRouter()

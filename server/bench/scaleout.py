@@ -1,6 +1,6 @@
 """Scale-out measured in one run: the single server against `--replicas` layouts, alternating.
 
-    python -m server.ray_serve.bench_scaleout --rounds 2 --out scaleout.json
+    python -m server.bench.scaleout --rounds 2 --out scaleout.json
 
 Each round starts every layout in turn (the order rotates from round to round, so a noisy neighbour
 hits them alike), as a fresh `cellserve serve` process on 127.0.0.1, and for each:
@@ -34,8 +34,8 @@ from pathlib import Path
 
 import httpx
 
+from engine.bench.machine import machine_info
 from server.bench.overhead import bench_model
-from server.bench.report import machine_info
 
 TICK = os.sysconf("SC_CLK_TCK")
 
@@ -223,7 +223,7 @@ def print_round(rows: list[dict], layouts: list[str], levels: list[int]) -> None
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m server.ray_serve.bench_scaleout", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m server.bench.scaleout", description=__doc__.split("\n")[0])
     p.add_argument("--model", help="local HF folder (default: the 56M benchmark Llama, saved to a temp folder)")
     p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--layouts", default="single:2,1x2,2x1",
@@ -240,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     args.concurrency_list = [int(c) for c in args.concurrency.split(",")]
     layouts = args.layouts.split(",")
-    print("command: python -m server.ray_serve.bench_scaleout", shlex.join(sys.argv[1:] if argv is None else argv))
+    print("command: python -m server.bench.scaleout", shlex.join(sys.argv[1:] if argv is None else argv))
     print("machine:", machine_info(), flush=True)
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="cellserve-scaleout-") as tmp:

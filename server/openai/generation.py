@@ -1,0 +1,164 @@
+"""One HTTP generation as engine requests: start, merge their outputs, cancel what is left.
+
+A completion with several prompts becomes one engine request per prompt (ids `<id>-0`, `<id>-1`,
+...; a single prompt keeps `<id>` itself); `n` choices per prompt are the engine's business (it
+prefills once and forks). `GenerationRun` guarantees:
+- `start()` either admits every engine request or raises the engine's typed error (QueueFull,
+  PromptTooLong, SequenceBusy, ...) after cancelling the ones it had submitted, so a refused HTTP
+  request leaves nothing behind.
+- `events()` yields `(prompt_index, RequestOutput)` in arrival order, per-request order preserved.
+- `cancel()` cancels only requests that have not finished (the consumer still reads their final
+  `cancelled` output); `close()` is what every route calls in a `finally`: it cancels what is left
+  and counts it, so a dropped client or an exception frees the request's cells at the next tick.
+
+A client that leaves is noticed one way (`wait_disconnect`, the ASGI `http.disconnect`), whether a
+route is waiting on the engine (`await_or_disconnect`, which raises `ClientGone`) or streaming
+(`server.openai.sse`).
+"""
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable
+from typing import TYPE_CHECKING, Any
+
+from fastapi import Request
+from starlette.types import Receive
+
+from engine.api.outputs import RequestOutput
+from server.metrics import RequestObserver, ServerMetrics
+
+if TYPE_CHECKING:  # types only: the server does not import the engine (torch) at run time
+    from engine.api.client import EngineClient
+    from engine.api.sampling_params import SamplingParams
+
+
+_END = object()
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected while we were waiting on the engine."""
+
+
+class GenerationRun:
+    def __init__(self, engine: "EngineClient", request_id: str, prompts: list[list[int]], params: "SamplingParams", *,
+                 seq_id: str | None = None, metrics: ServerMetrics | None = None):
+        self.engine = engine
+        self.request_id = request_id
+        self.prompts = prompts
+        self.params = params
+        self.seq_id = seq_id
+        self.engine_ids = [request_id] if len(prompts) == 1 else [f"{request_id}-{k}" for k in range(len(prompts))]
+        self._metrics = metrics
+        self._observers = [RequestObserver(metrics) for _ in prompts]
+        self._closed = False
+        self._streams: list[AsyncIterator[RequestOutput]] = []
+        self._attempted = 0
+        self._finished: set[int] = set()
+
+    async def start(self) -> None:
+        """Submit every engine request; on any refusal (or our own cancellation) cancel the others."""
+        try:
+            for rid, ids in zip(self.engine_ids, self.prompts):
+                self._attempted += 1  # counted before the await: a cancelled submit may still land
+                self._streams.append(await self.engine.submit(rid, ids, self.params, seq_id=self.seq_id))
+        except BaseException:
+            self.cancel()
+            raise
+
+    def prompt_tokens(self) -> int:
+        return sum(len(p) for p in self.prompts)
+
+    async def events(self) -> AsyncIterator[tuple[int, RequestOutput]]:
+        if len(self._streams) == 1:
+            async for out in self._one(0):
+                yield 0, out
+            return
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(k: int) -> None:
+            try:
+                async for out in self._one(k):
+                    await queue.put((k, out))
+            except Exception as exc:  # noqa: BLE001 -- re-raised on the consumer side, in order
+                await queue.put((k, exc))
+            finally:
+                await queue.put((k, _END))
+
+        tasks = [asyncio.create_task(pump(k)) for k in range(len(self._streams))]
+        try:
+            live = len(tasks)
+            while live:
+                k, item = await queue.get()
+                if item is _END:
+                    live -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield k, item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    async def _one(self, k: int) -> AsyncIterator[RequestOutput]:
+        observer = self._observers[k]
+        async for out in self._streams[k]:
+            observer.observe(out)
+            if out.finished:
+                self._finished.add(k)
+            yield out
+        self._finished.add(k)
+
+    def close(self) -> None:
+        """The consumer is done with this run: cancel what is unfinished and count it as cancelled
+        (nobody will read the engine's final `cancelled` output of an abandoned request)."""
+        if self._closed:
+            return
+        self._closed = True
+        for k in range(self._attempted):
+            if k not in self._finished:
+                self._observers[k].abandon(self.params.n)
+        self.cancel()
+
+    def cancel(self) -> None:
+        """Cancel (at the engine's next tick) every submitted engine request that has not finished.
+
+        Queued after the submits, so it lands after them even if a submit was still in flight."""
+        for k in range(self._attempted):
+            if k not in self._finished:
+                self.engine.cancel_nowait(self.engine_ids[k])
+
+
+async def await_or_disconnect(request: Request, work: Awaitable, on_disconnect) -> Any:
+    """Await `work`, but if the client disconnects first: call `on_disconnect()` and raise ClientGone.
+
+    Listens for the ASGI `http.disconnect` message (the body has already been read, so the next
+    message can only be that) instead of polling `request.is_disconnected()`: it reacts at once and
+    costs nothing while waiting.
+    """
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(wait_disconnect(request.receive))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        task.cancel()
+        on_disconnect()
+        raise
+    gone = watcher.done()  # checked before the watcher is cancelled below
+    watcher.cancel()
+    if task.done() and not gone:
+        return task.result()
+    # The client is gone (even if the work finished in the same turn: nobody would read the answer).
+    task.cancel()
+    on_disconnect()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    raise ClientGone()
+
+
+async def wait_disconnect(receive: Receive) -> None:
+    """Return when the client disconnects: the one way both a waiting route and a stream notice it
+    (the body has been read, so the next ASGI message can only be `http.disconnect`)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -1,0 +1,72 @@
+"""Server-sent events: exact `data: {json}\\n\\n` framing and cancel-on-disconnect.
+
+`SSEResponse` streams an async iterator of already-built payloads (dicts become one JSON event,
+the literal `DONE` becomes `data: [DONE]`). It always races the stream against the client's
+`http.disconnect`, even under ASGI 2.4 servers where Starlette's `StreamingResponse` would only
+notice a dropped client at its next write: a request still waiting in the queue (nothing to write
+yet) must be cancelled as soon as its client leaves. When the client goes, the body iterator is
+cancelled and closed, so its `finally` runs and cancels the engine request (cells freed next tick).
+JSON encoding happens here, on the asyncio thread, never on the engine's loop thread.
+"""
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import anyio
+from starlette.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
+
+from server.openai.generation import wait_disconnect
+
+DONE = object()  # sentinel payload: the terminating `data: [DONE]` event
+SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
+# OpenAPI: a generation route answers 200 as JSON, or as an SSE stream when the body says `stream: true`.
+STREAMED_200 = {200: {"description": "the response; with `stream: true` a server-sent event stream",
+                      "content": {"text/event-stream": {"schema": {}}}}}
+
+
+def encode_event(payload: Any) -> bytes:
+    """One SSE event: `data: <json>\\n\\n` (or `data: [DONE]\\n\\n`). JSON keeps non-ASCII as is."""
+    if payload is DONE:
+        return b"data: [DONE]\n\n"
+    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def _encoded(payloads: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+    async for payload in payloads:
+        yield encode_event(payload)
+
+
+class SSEResponse(StreamingResponse):
+    """A `text/event-stream` response whose producer is cancelled the moment the client disconnects."""
+
+    media_type = "text/event-stream"
+
+    def __init__(self, payloads: AsyncIterator[Any], *, headers: dict[str, str] | None = None):
+        self._payloads = payloads
+        super().__init__(_encoded(payloads), headers={**SSE_HEADERS, **(headers or {})})
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            async with anyio.create_task_group() as tg:
+
+                async def stream() -> None:
+                    try:
+                        await self.stream_response(send)
+                    except OSError:  # the client went away between our disconnect check and a write
+                        pass
+                    tg.cancel_scope.cancel()
+
+                tg.start_soon(stream)
+                await wait_disconnect(receive)
+                tg.cancel_scope.cancel()
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self._close_producer()
+
+    async def _close_producer(self) -> None:
+        for it in (self.body_iterator, self._payloads):
+            aclose = getattr(it, "aclose", None)
+            if aclose is not None:
+                await aclose()

@@ -9,6 +9,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
+SPECULATIVE_METHODS = (None, "ngram")
 DEFAULT_SLOTS = 256  # sequence slots in the cell pool at least (persistent and cached sequences hold one)
 
 
@@ -32,6 +33,16 @@ class EngineArgs:
     # no backlog term). The environment may override both, for A/B runs. Scheduler says why.
     prefill_while_decoding: int = field(default_factory=lambda: _env_int("CELLSERVE_PREFILL_WHILE_DECODING", 32))
     prefill_backlog_ticks: int = field(default_factory=lambda: _env_int("CELLSERVE_PREFILL_BACKLOG_TICKS", 16))
+    # Speculative decoding (engine/core/speculative.py): "ngram" drafts from the sequence's own history
+    # and its siblings'; None: off. CELLSERVE_SPECULATIVE forces it (the oracle suite runs with it on).
+    speculative: str | None = field(default_factory=lambda: os.environ.get("CELLSERVE_SPECULATIVE") or None)
+    num_speculative_tokens: int = 4  # the longest draft a sequence carries into one step
+
+    def __post_init__(self):
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative={self.speculative!r}: use one of {SPECULATIVE_METHODS}")
+        if not 1 <= self.num_speculative_tokens <= 16:
+            raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens}: use 1 to 16")
 
     @property
     def max_seqs(self) -> int:

@@ -156,7 +156,9 @@ def choice_text(detok: IncrementalDetokenizer, token_ids: list[int], finish_reas
     and a choice that ends by `stop` or `length` flushes what the detokenizer held back (a cancelled or
     failed one does not)."""
     ids = token_ids[:-1] if finish_reason == "stop" else token_ids
-    text = detok.push(ids) if ids else ""
+    # One push per token, so a delta of several tokens (speculative decoding) is cut exactly as the same
+    # tokens arriving one per tick would be: a character completed mid-delta is sent at once.
+    text = "".join(detok.push(t) for t in ids)
     if finish_reason in ("stop", "length"):
         text += detok.flush()
     return text

@@ -26,6 +26,7 @@ from engine.core.prompt_logprobs import prompt_rows as plp_rows
 from engine.core.prompt_logprobs import take_prompt_logprobs
 from engine.core.scheduler import Chunk, Scheduler
 from engine.core.sequence import Request, Sequence
+from engine.core.speculative import SpeculativeDecoder
 from engine.loader.source import resolve_args
 from engine.model.flat_step import FlatStep, flatten_step
 from engine.model.runner import ModelRunner
@@ -60,6 +61,10 @@ class Engine:
         self.admission = Admission(runner.max_model_len, self.cache.n_cells, self.config.max_queue,
                                    self.vocab_size, self.tokenizer, self.eos_ids)
         self.outputs = OutputProcessor(self.scheduler, self.requests, self.eos_ids)
+        self.speculative = None
+        if cfg.speculative == "ngram":
+            self.speculative = SpeculativeDecoder(self.scheduler, self.sampler, self.outputs,
+                                                  cfg.num_speculative_tokens, runner.max_model_len)
         self.steps = self.generated_tokens = self.prompt_tokens = 0
 
     @classmethod
@@ -170,6 +175,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one tick (schedule -> forward -> sample -> process outputs); return its outputs."""
         outputs: list[RequestOutput] = []
+        if self.speculative is not None:
+            self.speculative.propose()
         chunks = self.scheduler.schedule()
         self.outputs.finish_prefills(outputs)
         if not chunks:
@@ -186,15 +193,23 @@ class Engine:
         for c in chunks:
             self.scheduler.set_cached(c.seq, c.seq.n_cached + c.n_tokens)
             c.seq.last_used = time.monotonic()
+        plain = [c for c in sample_chunks if not c.draft]
+        drafted = [c for c in sample_chunks if c.draft]  # rows after the plain ones: 1 + len(draft) each
+        n_sampled = len(plain) + sum(1 + len(c.draft) for c in drafted)
         if prompt_rows:  # rows after the sampling ones: prompt logprobs (echo, lm-eval)
-            self._take_prompt_logprobs(chunks, prompt_rows, logits[len(sample_chunks):], outputs)
-            logits = logits[: len(sample_chunks)]
+            self._take_prompt_logprobs(chunks, prompt_rows, logits[n_sampled:], outputs)
         if sample_chunks:
+            news: dict[Request, dict] = {}
             try:
-                self._sample(sample_chunks, logits, outputs)
+                self._sample(plain, logits[: len(plain)], news, outputs)
+                if drafted:
+                    self.generated_tokens += self.speculative.verify(drafted, logits[len(plain) : n_sampled], news)
             except Exception as exc:  # a sampling/detok bug fails the rows that sampled, not everyone
                 log.exception("sampling failed; failing the %d sequences that sampled", len(sample_chunks))
+                news.clear()
                 self.outputs.fail_step(sample_chunks, exc, outputs)
+            for req, choices in news.items():
+                outputs.append(self.outputs.emit(req, choices))
         self.outputs.finish_prefills(outputs)
         return outputs
 
@@ -220,7 +235,10 @@ class Engine:
             log.exception("prompt logprobs failed; failing the %d sequences that asked", len(lp_chunks))
             self.outputs.fail_step(lp_chunks, exc, outputs)
 
-    def _sample(self, chunks: list[Chunk], logits, outputs) -> None:
+    def _sample(self, chunks: list[Chunk], logits, news: dict, outputs) -> None:
+        """One token per chunk (and per child of an n > 1 request), into `news` (request -> choices)."""
+        if not chunks:
+            return
         rows, seqs = [], []
         for i, c in enumerate(chunks):
             for seq in [c.seq, *self._spawn_children(c.seq)]:
@@ -234,7 +252,6 @@ class Engine:
                               [s.output_ids if p else [] for s, p in zip(seqs, pen)],
                               [s.token_ids[: s.gen_start] if p else [] for s, p in zip(seqs, pen)],
                               [s.grammar for s in seqs])
-        news: dict[Request, dict] = {}
         for k, seq in enumerate(seqs):
             req = seq.request  # append may finish the sequence and clear it
             if req is None or req.finished:  # an earlier row of its request failed it
@@ -249,8 +266,6 @@ class Engine:
                 news.pop(req, None)
                 self.outputs.fail_request(req, exc, outputs)
         self.generated_tokens += len(seqs)
-        for req, choices in news.items():
-            outputs.append(self.outputs.emit(req, choices))
 
     def _spawn_children(self, parent: Sequence) -> list[Sequence]:
         """n > 1: the prompt was prefilled once; fork n-1 children that share its cells."""
@@ -290,16 +305,19 @@ class Engine:
 
 
 def _flatten(chunks: list[Chunk], sample_chunks: list[Chunk], prompt_rows: dict[int, int] | None = None) -> FlatStep:
-    """The flat step, keeping logits only for the chunks that sample (at least one row: 0 means all),
-    then, in chunk order, the first `prompt_rows[id(chunk)]` rows of chunks whose prompt logprobs are
+    """The flat step, keeping logits only for the chunks that sample (at least one row: 0 means all): one
+    row per plain chunk, then every row (last token + draft) of each drafted chunk, then, in chunk order,
+    the first `prompt_rows[id(chunk)]` rows of chunks whose prompt logprobs are
     wanted (one arange per such chunk: a loop over chunks, not tokens)."""
     step = flatten_step({c.seq.slot: (c.token_ids, c.start) for c in chunks})
     sampling = {id(c) for c in sample_chunks}
     last = step.logits_indices
-    pick = [i for i, c in enumerate(chunks) if id(c) in sampling]
+    pick = [i for i, c in enumerate(chunks) if id(c) in sampling and not c.draft]
+    drafted = [torch.arange(-len(c.draft), 1) + last[i] for i, c in enumerate(chunks) if id(c) in sampling and c.draft]
     extra = [torch.arange(prompt_rows[id(c)]) + (last[i] - c.n_tokens + 1)
              for i, c in enumerate(chunks) if prompt_rows and id(c) in prompt_rows]
-    step.logits_indices = torch.cat([last[pick], *extra]) if pick or extra else last[[0]]
+    rows = [last[pick], *drafted, *extra]
+    step.logits_indices = torch.cat(rows) if pick or drafted or extra else last[[0]]
     return step
 
 

@@ -31,11 +31,12 @@ PREFIX_MIN_TOKENS = BLOCK  # a cached prefix shorter than one index block can ne
 class Chunk:
     seq: Sequence
     start: int  # first token index (= position) of the chunk
-    n_tokens: int
+    n_tokens: int  # of the sequence's own tokens
+    draft: list[int] = field(default_factory=list)  # drafted tokens after them (speculative decoding)
 
     @property
     def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start : self.start + self.n_tokens]
+        return self.seq.token_ids[self.start : self.start + self.n_tokens] + self.draft
 
     @property
     def completes(self) -> bool:
@@ -52,13 +53,14 @@ class StepBudget:
     tokens: int = 0
     preempted: set[Sequence] = field(default_factory=set)
 
-    def add(self, seq: Sequence, n: int) -> None:
-        self.chunks[seq] = Chunk(seq, seq.n_cached, n)
-        self.tokens += n
+    def add(self, seq: Sequence, n: int, draft: list[int] | None = None) -> None:
+        self.chunks[seq] = Chunk(seq, seq.n_cached, n, draft or [])
+        self.tokens += n + len(draft or ())
 
     def drop(self, seq: Sequence) -> None:
         if seq in self.chunks:
-            self.tokens -= self.chunks.pop(seq).n_tokens
+            chunk = self.chunks.pop(seq)
+            self.tokens -= chunk.n_tokens + len(chunk.draft)
 
 
 class Scheduler:
@@ -265,8 +267,9 @@ class Scheduler:
             want = seq.cache_target() - seq.n_cached
             n = min(want, budget) if want == 1 else min(want, budget, prefill)
             if n > 0 and self._room_for_running(plan, seq, n):
-                plan.add(seq, n)
-                budget -= n
+                draft = self._draft_room(plan, seq, budget - n) if want == 1 else []
+                plan.add(seq, n, draft)
+                budget -= n + len(draft)
                 prefill -= n if want > 1 else 0
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
@@ -303,6 +306,12 @@ class Scheduler:
         if req is not None and seq.index == 0 and req.cached_tokens is None:
             history = len(seq.token_ids) - len(req.prompt_ids)
             req.cached_tokens = max(0, shared - history)
+
+    def _draft_room(self, plan: StepBudget, seq: Sequence, budget: int) -> list[int]:
+        """As much of `seq.draft` as fits the tick's budget and the free cells; drafts never evict or
+        preempt anyone (they are a guess)."""
+        k = max(0, min(len(seq.draft), budget, self.cache.free_cells() - plan.tokens - 1))
+        return seq.draft[:k]
 
     def _need(self, plan: StepBudget, n: int) -> int:
         return plan.tokens + n - self.cache.free_cells()

@@ -55,6 +55,7 @@ class Sequence:
     # False: never take a cached prefix. A request that scores its prompt (prompt logprobs) needs every
     # prompt row's logits from its own prefill, on first admission and after a preemption.
     shares_prefix: bool = True
+    draft: list[int] = field(default_factory=list)  # guessed next tokens for this tick (speculative), not yet truth
 
     @property
     def pending(self) -> int:

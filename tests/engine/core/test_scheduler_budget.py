@@ -20,7 +20,8 @@ def _step_sizes(engine) -> list[int]:
 
 def test_prefill_is_capped_while_decoding_and_whole_when_alone():
     # 100 tokens of backlog / 8 < 32: the floor decides
-    engine = make_engine(n_cells=1024, max_num_batched_tokens=512, prefill_while_decoding=32, prefill_backlog_ticks=8)
+    engine = make_engine(n_cells=1024, max_num_batched_tokens=512, prefill_while_decoding=32, prefill_backlog_ticks=8,
+                         speculative=None)  # exact step sizes: no drafts riding along
     sizes = _step_sizes(engine)
     a, b = Collector(), Collector()
     pa, pb = prompt(150, 1), prompt(100, 2)
@@ -35,7 +36,8 @@ def test_prefill_is_capped_while_decoding_and_whole_when_alone():
 
 
 def test_a_long_backlog_raises_the_cap_to_drain_it_within_the_set_ticks():
-    engine = make_engine(n_cells=2048, max_num_batched_tokens=1024, prefill_while_decoding=32, prefill_backlog_ticks=4)
+    engine = make_engine(n_cells=2048, max_num_batched_tokens=1024, prefill_while_decoding=32, prefill_backlog_ticks=4,
+                         speculative=None)  # exact step sizes: no drafts riding along
     sizes = _step_sizes(engine)
     a, b, c = Collector(), Collector(), Collector()
     pa, pb, pc = prompt(20, 1), prompt(200, 2), prompt(40, 3)

@@ -1,0 +1,147 @@
+"""Speculative decoding over cells: model-free drafts, verified in the normal step, rejected with seq_rm.
+
+At one sequence a CPU decode step streams every weight once per token, so the only way past the memory
+bandwidth floor is more tokens per weight pass. A decoding sequence may carry a *draft*: up to k tokens
+guessed without a model, from its own history (prompt lookup: the continuation of the most recent
+earlier occurrence of its last n tokens) or, failing that, from a sibling's (the other choices of an
+`n > 1` request, which share its prompt and often its phrasing). The draft rides the ordinary flat step
+as a short chunk after the sequence's last token, on the sequence's own cells, and every drafted
+position's logits come back. `verify` then takes the longest prefix of the draft that the sequence would
+have produced anyway plus the token its first mismatch (or the draft's end) yields, and drops the cells
+of the rejected positions with `seq_rm`.
+
+Guarantees:
+- greedy output is token for token the output without speculation: row i is sampled with exactly the
+  history (outputs + accepted draft tokens) it would have had, penalties included, and a draft token is
+  kept only if it equals that row's argmax;
+- only greedy rows without a grammar draft (a grammar's state and a sampled row's draw would have to
+  follow tokens that may be rejected); every other row decodes one token as before;
+- after `verify` a sequence's cells hold exactly positions `[0, n_cached)` of its token ids, whether it
+  keeps running, finished on an accepted token (EOS, a stop string, max_tokens) or went idle.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.api.outputs import CompletionOutput, TokenLogprob
+from engine.core.output_processor import OutputProcessor
+from engine.core.scheduler import Chunk, Scheduler
+from engine.core.sequence import Request, Sequence
+from engine.sample.sampler import Sampler
+
+NGRAM_MAX = 4  # the longest suffix matched against the history (vLLM's prompt_lookup_max default)
+NGRAM_MIN = 1
+
+
+def lookup_draft(history: list[int], sources: list[list[int]], k: int) -> list[int]:
+    """Up to k tokens that followed the most recent earlier occurrence of `history`'s last n tokens
+    (longest n first, n in [NGRAM_MIN, NGRAM_MAX]), searched in `history` itself, then in `sources`.
+    One vectorised compare per (n, source): no Python loop over tokens."""
+    if k <= 0 or len(history) < 2:
+        return []
+    own = torch.as_tensor(history)
+    others = [torch.as_tensor(s) for s in sources if len(s) > 1]
+    for n in range(min(NGRAM_MAX, len(history) - 1), NGRAM_MIN - 1, -1):
+        key = own[-n:]
+        for i, tokens in enumerate([own, *others]):
+            ends = len(tokens) - 1 if i == 0 else len(tokens)  # own: not the suffix itself
+            if ends - n < 0:
+                continue
+            windows = tokens[:ends].unfold(0, n, 1)
+            hits = (windows == key).all(1).nonzero()
+            for start in reversed(hits.flatten().tolist()[-4:]):  # the most recent few with a continuation
+                follow = tokens[start + n : start + n + k].tolist()
+                if follow:
+                    return follow
+    return []
+
+
+class SpeculativeDecoder:
+    """Proposes drafts for the running sequences before a tick and verifies them after its forward."""
+
+    def __init__(self, scheduler: Scheduler, sampler: Sampler, outputs: OutputProcessor, k: int,
+                 max_model_len: int):
+        self.scheduler, self.sampler, self.outputs = scheduler, sampler, outputs
+        self.k, self.max_model_len = k, max_model_len
+        self.drafted = self.accepted = 0  # tokens proposed / kept, for reports
+
+    def propose(self) -> None:
+        """Give every eligible running sequence a draft (the scheduler may still drop it for room)."""
+        for seq in self.scheduler.running:
+            seq.draft = self._draft_for(seq) if self._eligible(seq) else []
+
+    def _eligible(self, seq: Sequence) -> bool:
+        req = seq.request
+        return (req is not None and not req.prefill_only and seq.grammar is None and seq.params.greedy
+                and seq.cache_target() - seq.n_cached == 1 and not req.children_pending)
+
+    def _draft_for(self, seq: Sequence) -> list[int]:
+        room = min(self.k, seq.params.max_tokens - seq.num_generated - 1,
+                   self.max_model_len - len(seq.token_ids) - 1)
+        siblings = [s.token_ids for s in seq.request.seqs if s is not seq]
+        return lookup_draft(seq.token_ids, siblings, room)
+
+    def verify(self, chunks: list[Chunk], logits: torch.Tensor,
+               news: dict[Request, dict[int, CompletionOutput]]) -> int:
+        """`logits` holds 1 + len(draft) rows per chunk, in chunk order. Append each sequence's kept
+        tokens through the output processor (which may finish it) and drop the rejected cells; return how
+        many tokens were appended."""
+        at = appended = 0
+        for c in chunks:
+            rows, at = logits[at : at + 1 + len(c.draft)], at + 1 + len(c.draft)
+            seq, req = c.seq, c.seq.request
+            if req is None or req.finished:
+                continue
+            tokens, lps = self._accept(seq, c.draft, rows)
+            start = c.start + 1  # the first drafted position (the chunk's first row is the last real token)
+            kept = 0
+            for token, lp in zip(tokens, lps):
+                out = self.outputs.append(seq, token, lp)
+                self._merge(news.setdefault(req, {}), seq.index, out)
+                kept += 1
+                if seq.request is None:  # finished on this token
+                    break
+            appended += kept
+            drafts_kept = min(kept, len(tokens) - 1)  # the last kept token is not a draft's: it has no cell
+            self.drafted += len(c.draft)
+            self.accepted += drafts_kept
+            self._trim(seq, start + drafts_kept)
+            seq.draft = []
+        return appended
+
+    def _accept(self, seq: Sequence, draft: list[int], rows: torch.Tensor) -> tuple[list[int], list]:
+        """The tokens row by row would yield (row i sees the outputs plus draft[:i]), cut after the first
+        row whose token differs from the draft's."""
+        n = len(draft) + 1
+        p = seq.params
+        outs = [seq.output_ids + draft[:i] for i in range(n)] if p.has_penalties else [[]] * n
+        prompt = [seq.token_ids[: seq.gen_start] if p.has_penalties else []] * n
+        result = self.sampler(rows, [p] * n, [None] * n, outs, prompt, [None] * n)
+        a = 0
+        while a < len(draft) and result.token_ids[a] == draft[a]:
+            a += 1
+        lps = [TokenLogprob(t, lp, top or []) if lp is not None else None
+               for t, lp, top in zip(result.token_ids, result.logprobs, result.top_logprobs)]
+        return result.token_ids[: a + 1], lps[: a + 1]
+
+    def _trim(self, seq: Sequence, valid: int) -> None:
+        """Cells of positions >= `valid` were drafted and not kept: drop them (seq_rm) and record what is
+        cached. An idle persistent sequence keeps its last token uncached (Sequence.cache_target)."""
+        if seq.slot is None:
+            return
+        valid = min(valid, len(seq.token_ids) - (1 if seq.persistent and seq.request is None else 0))
+        self.scheduler.uncache(seq, valid)
+
+    @staticmethod
+    def _merge(choices: dict[int, CompletionOutput], index: int, out: CompletionOutput) -> None:
+        """Several tokens of one choice in one tick become one delta."""
+        prev = choices.get(index)
+        if prev is None:
+            choices[index] = out
+            return
+        prev.token_ids = [*prev.token_ids, *out.token_ids]
+        prev.text += out.text
+        if out.logprobs:
+            prev.logprobs = [*(prev.logprobs or []), *out.logprobs]
+        prev.finish_reason, prev.stop_reason = out.finish_reason, out.stop_reason

@@ -1,0 +1,98 @@
+"""Speculative decoding (engine/core/speculative.py): model-free drafts verified in the normal step.
+
+The oracle is the engine without speculation and the cacheless forward: greedy output must be token for
+token the same, the cells must hold exactly each sequence's cached positions after every tick, and
+nothing may leak. The whole engine suite also runs with `CELLSERVE_SPECULATIVE=ngram` forced on.
+"""
+
+import pytest
+from engine_support import (Collector, check_cells_match_sequences, drain, greedy, greedy_oracle, make_engine,
+                            prompt, scripted_model, shared_tokenizer)
+
+from engine.api.sampling_params import SamplingParams
+from engine.core.speculative import lookup_draft
+
+REPEATING = prompt(7, 1) * 5  # a history whose continuation prompt lookup can guess
+
+
+def _run(engine, prompts, params):
+    outs = []
+    for i, p in enumerate(prompts):
+        out = Collector()
+        engine.add_request(f"r{i}", p, params, out)
+        outs.append(out)
+    while engine.has_unfinished():
+        engine.step()
+        check_cells_match_sequences(engine)
+    return outs
+
+
+def test_lookup_draft_takes_the_most_recent_continuation_longest_match_first():
+    history = [1, 2, 3, 9, 1, 2, 3, 4, 5, 7, 2, 3]
+    assert lookup_draft(history, [], 3) == [4, 5, 7]  # "2 3" last seen before "4 5 7"
+    assert lookup_draft([5, 6, 7, 8], [], 3) == []  # no earlier occurrence of any suffix
+    assert lookup_draft([8, 1, 2], [[0, 1, 2, 6, 6, 6]], 2) == [6, 6]  # from a sibling's history
+    assert lookup_draft(history, [], 0) == []
+
+
+def test_greedy_output_is_the_same_with_and_without_drafts(model):
+    prompts = [REPEATING, prompt(20, 2), REPEATING[:13], prompt(5, 3) * 4]
+    plain = _run(make_engine(model=model, speculative=None), prompts, greedy(40))
+    engine = make_engine(model=model, speculative="ngram")
+    spec = _run(engine, prompts, greedy(40))
+    assert [o.tokens[0] for o in spec] == [o.tokens[0] for o in plain]
+    assert [o.tokens[0] for o in spec][0] == greedy_oracle(model, REPEATING, 40)
+    assert engine.speculative.accepted > 0 and engine.steps < 40 + len(prompts)
+
+
+def test_drafts_never_pass_max_tokens_and_free_every_cell(model):
+    engine = make_engine(model=model, speculative="ngram")
+    baseline = engine.free_cells()
+    outs = _run(engine, [REPEATING, REPEATING[3:]], greedy(9))
+    assert [len(o.tokens[0]) for o in outs] == [9, 9] and all(o.finish[0] == "length" for o in outs)
+    engine.clear_prefix_cache()
+    assert engine.cache.free_cells() == baseline
+
+
+def test_a_stop_token_inside_an_accepted_draft_ends_the_choice_there():
+    """A scripted model walks a cycle, so the draft guesses right; the stop token falls mid-draft."""
+    tok = shared_tokenizer()
+    cycle = list(range(10, 20))
+    model = scripted_model(tok, {t: cycle[(i + 1) % len(cycle)] for i, t in enumerate(cycle)})
+    engine = make_engine(model=model, tokenizer=tok, speculative="ngram")
+    baseline = engine.free_cells()
+    params = SamplingParams(max_tokens=60, temperature=0, stop_token_ids=[17])
+    out = _run(engine, [cycle * 3 + cycle[:2]], params)[0]
+    assert out.tokens[0] == [12, 13, 14, 15, 16, 17] and out.finish[0] == "stop" and out.stop_reason[0] == 17
+    assert engine.speculative.accepted >= 3
+    engine.clear_prefix_cache()
+    assert engine.cache.free_cells() == baseline
+
+
+def test_a_persistent_sequence_continues_on_its_drafted_cells(model):
+    plain, engine = make_engine(model=model, speculative=None), make_engine(model=model, speculative="ngram")
+    results = []
+    for e in (plain, engine):
+        seq, _ = e.create_sequence(REPEATING)
+        drain(e)
+        first, second = Collector(), Collector()
+        e.add_request("a", [], greedy(12), first, seq.seq_id)
+        drain(e)
+        e.add_request("b", REPEATING[:4], greedy(12), second, seq.seq_id)
+        drain(e)
+        check_cells_match_sequences(e)
+        assert seq.n_cached == len(seq.token_ids) - 1  # idle: the last token stays uncached
+        results.append((first.tokens[0], second.tokens[0]))
+    assert results[0] == results[1]
+
+
+@pytest.mark.parametrize("params", [SamplingParams(max_tokens=20, temperature=0.8, seed=3),
+                                    SamplingParams(max_tokens=20, temperature=0, guided=None, n=2)])
+def test_rows_that_cannot_draft_exactly_decode_as_before(model, params):
+    """Sampled rows (the draw would follow rejected tokens) do not draft; n > 1 drafts once forked."""
+    plain = _run(make_engine(model=model, speculative=None), [REPEATING], params)[0]
+    engine = make_engine(model=model, speculative="ngram")
+    spec = _run(engine, [REPEATING], params)[0]
+    assert spec.tokens == plain.tokens
+    if params.temperature:
+        assert engine.speculative.drafted == 0

@@ -1,0 +1,164 @@
+"""The package layering, read from the source: zero import cycles, and every import points down a layer.
+
+Every import counts: module level, inside functions and under TYPE_CHECKING. The layers, lowest first:
+engine.api <- engine.cells, engine.sample, engine.loader <- engine.model <- engine.core <- server.
+The server holds the engine through engine.api only; the few places that must build or drive the
+engine's torch side are named in SERVER_MAY_IMPORT. Nothing but a benchmark (or the CLI that runs one)
+imports a benchmark.
+"""
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# engine layer -> the engine layers it may import (itself always allowed)
+ENGINE_LAYERS = {
+    "api": set(),
+    "cells": {"api"},
+    "sample": {"api"},
+    "loader": {"api"},
+    "model": {"api", "cells", "loader"},
+    "core": {"api", "cells", "sample", "loader", "model"},
+    "bench": {"api", "cells", "sample", "loader", "model", "core"},
+}
+# server module prefix -> engine modules (beyond engine.api) it may import, and why
+SERVER_MAY_IMPORT = {
+    "server.config": ("engine.core.async_engine", "engine.loader.source"),  # builds the engine; pull/models
+    "server.cli": ("engine.bench.engine",),  # `cellserve bench engine` runs the engine benchmark
+    "server.bench": ("engine.bench.machine",),  # one machine description for every benchmark
+}
+
+
+def _modules() -> dict[str, Path]:
+    mods = {}
+    for top in ("engine", "server"):
+        for path in (ROOT / top).rglob("*.py"):
+            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts = parts[:-1]
+            mods[".".join(parts)] = path
+    return mods
+
+
+def _resolve(name: str, mods: dict) -> str | None:
+    while name:
+        if name in mods:
+            return name
+        name = name.rpartition(".")[0]
+    return None
+
+
+def import_graph() -> dict[str, set[str]]:
+    mods = _modules()
+    graph: dict[str, set[str]] = {m: set() for m in mods}
+    for mod, path in mods.items():
+        package = mod if path.name == "__init__.py" else mod.rpartition(".")[0]
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                    base = ".".join(up + ([base] if base else []))
+                targets = [base] + [f"{base}.{alias.name}" for alias in node.names]
+            else:
+                continue
+            for target in targets:
+                found = _resolve(target, mods)
+                if found and found != mod:
+                    graph[mod].add(found)
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (iterative Tarjan)."""
+    index, low, on_stack, stack, out = {}, {}, set(), [], []
+    counter = 0
+    for root, children in graph.items():
+        if root in index:
+            continue
+        work = [(root, iter(sorted(children)))]
+        index[root] = low[root] = counter
+        counter += 1
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = counter
+                    counter += 1
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph[child]))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    top = stack.pop()
+                    on_stack.discard(top)
+                    component.append(top)
+                    if top == node:
+                        break
+                if len(component) > 1:
+                    out.append(sorted(component))
+    return out
+
+
+def _layer(mod: str) -> str | None:
+    parts = mod.split(".")
+    return parts[1] if parts[0] == "engine" and len(parts) > 1 else None
+
+
+def _is_bench(mod: str) -> bool:
+    return ".bench" in f".{mod}"
+
+
+def test_no_import_cycles():
+    assert _cycles(import_graph()) == []
+
+
+def test_engine_layers_point_down():
+    bad = []
+    for mod, targets in import_graph().items():
+        if not mod.startswith("engine."):
+            continue
+        layer = _layer(mod)
+        for target in targets:
+            if target.startswith("server"):
+                bad.append(f"{mod} -> {target} (the engine never imports the server)")
+            elif target.startswith("engine.") and _layer(target) not in ENGINE_LAYERS[layer] | {layer}:
+                bad.append(f"{mod} -> {target} ({layer} may import only {sorted(ENGINE_LAYERS[layer])})")
+    assert bad == []
+
+
+def test_server_imports_only_the_engine_api():
+    bad = []
+    for mod, targets in import_graph().items():
+        if not mod.startswith("server"):
+            continue
+        allowed = next((v for k, v in SERVER_MAY_IMPORT.items() if mod == k or mod.startswith(k + ".")), ())
+        for target in targets:
+            if target.startswith("engine") and not target.startswith("engine.api") and target not in allowed:
+                bad.append(f"{mod} -> {target}")
+    assert bad == []
+
+
+def test_nothing_but_benchmarks_imports_a_benchmark():
+    bad = [f"{mod} -> {target}" for mod, targets in import_graph().items() for target in targets
+           if _is_bench(target) and not _is_bench(mod) and mod != "server.cli"]
+    assert bad == []
+
+
+def test_the_checks_see_a_cycle_and_a_layer_break():
+    """The checks can fail: a made-up graph with a cycle and an upward import is caught."""
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+    assert "model" not in ENGINE_LAYERS["cells"] and "core" not in ENGINE_LAYERS["model"]

@@ -6,8 +6,17 @@ nothing may leak. The whole engine suite also runs with `CELLSERVE_SPECULATIVE=n
 """
 
 import pytest
-from engine_support import (Collector, check_cells_match_sequences, drain, greedy, greedy_oracle, make_engine,
-                            prompt, scripted_model, shared_tokenizer)
+from engine_support import (
+    Collector,
+    check_cells_match_sequences,
+    drain,
+    greedy,
+    greedy_oracle,
+    make_engine,
+    prompt,
+    scripted_model,
+    shared_tokenizer,
+)
 
 from engine.api.sampling_params import SamplingParams
 from engine.core.speculative import lookup_draft
@@ -41,7 +50,7 @@ def test_greedy_output_is_the_same_with_and_without_drafts(model):
     engine = make_engine(model=model, speculative="ngram")
     spec = _run(engine, prompts, greedy(40))
     assert [o.tokens[0] for o in spec] == [o.tokens[0] for o in plain]
-    assert [o.tokens[0] for o in spec][0] == greedy_oracle(model, REPEATING, 40)
+    assert spec[0].tokens[0] == greedy_oracle(model, REPEATING, 40)
     assert engine.speculative.accepted > 0 and engine.steps < 40 + len(prompts)
 
 

@@ -2,18 +2,43 @@
 
 `read_tensor_index(path)` reads the header and the tensor table (names, ggml types, shapes, offsets)
 without parsing the token list, so it is fast even for a 150k-token vocabulary. `load_quantized(path)`
-returns every tensor of a Llama-family file (`QUANT_ARCHS`) by its llama.cpp name: Q8_0, Q4_0 and
-Q4_1 tensors as `QuantWeight` (repacked once from the file's interleaved blocks into the three arrays
-the kernels read: engine/model/kernels/csrc/quant_linear.cpp says the layout), every other type
-(F32, F16, BF16, K-quants...) dequantized to float32 with gguf-py (logged once per type).
+returns every tensor of a Llama-family file (`QUANT_ARCHS`) by its llama.cpp name: Q8_0, Q4_0, Q4_1,
+Q4_K, Q5_K and Q6_K tensors as `QuantWeight` (repacked once from the file's blocks into the arrays the
+kernels read: below, and engine/model/kernels/csrc/quant_linear.cpp), F32/F16/BF16 as they are (F32
+norms, F16/BF16 in bfloat16), and any other type dequantized by gguf-py to bfloat16 per tensor (logged
+once per file).
 `load_gguf_model(folder)` builds the transformers model of a `cellserve.json` folder whose weights are
 in a GGUF file (`weights: "gguf"`) as a skeleton with zero-byte placeholder weights, so the native
 forward is the one holder of the weights.
 
-Block layouts (ggml's public definition, 32 weights a block, d and m fp16):
-  Q8_0  d, int8 q[32]                          w = d * q                          34 bytes
-  Q4_0  d, uint8 qs[16] (q_j | q_{j+16} << 4)  w = d * (q - 8)                    18 bytes
-  Q4_1  d, m, uint8 qs[16] (same nibbles)      w = d * q + m                      20 bytes
+Block layouts in the file (ggml's public definition; d, m, dmin fp16):
+  Q8_0  32 weights: d, int8 q[32]                          w = d * q                             34 B
+  Q4_0  32 weights: d, uint8 qs[16] (q_j | q_{j+16} << 4)  w = d * (q - 8)                       18 B
+  Q4_1  32 weights: d, m, qs[16] (same nibbles)            w = d * q + m                         20 B
+  Q4_K  256 weights, 8 sub-blocks of 32: d, dmin, scales[12] (8 6-bit scales sc_j and 8 6-bit mins
+        m_j: j < 4: sc = s[j] & 63, m = s[j+4] & 63; j >= 4: sc = (s[j+4] & 15) | (s[j-4] >> 6) << 4,
+        m = (s[j+4] >> 4) | (s[j] >> 6) << 4), qs[128]: 32-byte group g holds sub-block 2g in its low
+        nibbles and 2g+1 in its high nibbles                w = d * sc_j * q - dmin * m_j         144 B
+  Q5_K  as Q4_K plus qh[32] before qs: bit j of qh[i] is the 5th bit of element i of sub-block j
+                                                            w = d * sc_j * q - dmin * m_j         176 B
+  Q6_K  256 weights, 16 groups of 16: ql[128], qh[64], int8 scales[16], d; for half h (128 weights,
+        ql_h = ql[64h:], qh_h = qh[32h:]) and l < 32: q[l] = ql_h[l] & 15 | (qh_h[l] & 3) << 4,
+        q[l+32] = ql_h[l+32] & 15 | (qh_h[l] >> 2 & 3) << 4, q[l+64] = ql_h[l] >> 4 | (qh_h[l] >> 4 & 3) << 4,
+        q[l+96] = ql_h[l+32] >> 4 | (qh_h[l] >> 6) << 4      w = d * sc_{e/16} * (q - 32)          210 B
+
+Repacked (`QuantWeight`, one row of blocks per output row; the kernels read these):
+  qs  q8_0: uint8 [N, K], the int8 value + 128; every other kind: uint8 [N, K/2], per 32 weights
+      16 bytes, byte j = element j (low nibble) | element j + 16 (high nibble): Q4_0's own layout
+  d   fp16: [N, K/32] (32-weight kinds), [N, K/256] (K-quants: the super-block's d)
+  m   fp16: q4_1 [N, K/32] the block minimum; q4_k/q5_k [N, K/256] dmin
+  sc  q4_k/q5_k: uint8 [N, K/32] the 6-bit scales; q6_k: int8 [N, K/16]
+  mn  q4_k/q5_k: uint8 [N, K/32] the 6-bit mins
+  qh  the high bits, per 64 weights (two 32-blocks, "a pair") in the kernels' order of the pair
+      (position i < 32: block i / 16, element i % 16; i >= 32: block (i - 32) / 16, element 16 + i % 16):
+      q5_k uint8 [N, K/8], 8 bytes a pair: bit i (little-endian uint64) = bit 4 of position i;
+      q6_k uint8 [N, K/4], 16 bytes a pair: bit 4 plane then bit 5 plane.
+  Bytes per weight: q8_0 1.0625, q4_0 0.5625, q4_1 0.625 (the file's), q4_k 0.578 (file 0.5625),
+  q5_k 0.703 (0.6875), q6_k 0.8203 (the file's): the K-quants' packed 6-bit scales are kept a byte each.
 """
 
 import json
@@ -30,10 +55,14 @@ from engine.loader.gguf import GGUF_MAGIC, QUANT_ARCHS, _Header
 log = logging.getLogger("cellserve.gguf")
 
 # ggml type ids: those kept quantized, and their (block bytes, kind)
-F32, F16, Q4_0, Q4_1, Q8_0, BF16 = 0, 1, 2, 3, 8, 30
-KINDS = {Q8_0: "q8_0", Q4_0: "q4_0", Q4_1: "q4_1"}
-KIND_IDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2}  # the kernels' `kind` argument
-ZERO_POINTS = {"q8_0": 128, "q4_0": 8, "q4_1": 0}
+F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 8, 12, 13, 14, 30
+KINDS = {Q8_0: "q8_0", Q4_0: "q4_0", Q4_1: "q4_1", Q4_K: "q4_k", Q5_K: "q5_k", Q6_K: "q6_k"}
+KIND_IDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q4_k": 3, "q5_k": 4, "q6_k": 5}  # the kernels' `kind` argument
+ZERO_POINTS = {"q8_0": 128, "q4_0": 8, "q4_1": 0, "q4_k": 0, "q5_k": 0, "q6_k": 32}
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144, "q5_k": 176, "q6_k": 210}
+BLOCK_WEIGHTS = {"q8_0": 32, "q4_0": 32, "q4_1": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256}
+FIELDS = ("qs", "d", "m", "sc", "mn", "qh")  # the order the kernels take them in
+_NONE = torch.empty(0, dtype=torch.uint8)  # an absent field, to the kernels
 
 
 @dataclass(frozen=True)
@@ -73,25 +102,37 @@ def read_tensor_index(path: str | Path) -> tuple[dict, dict[str, TensorInfo]]:
 
 @dataclass
 class QuantWeight:
-    """A [N, K] weight in 32-weight blocks: `qs` uint8 (q8_0: value + 128, [N, K]; q4: ggml's nibble
-    bytes, [N, K/2]), `d` fp16 [N, K/32], `m` fp16 [N, K/32] for q4_1. w = d * (q - z) + m."""
+    """A [N, K] weight in its blocks, repacked (module docstring: `qs`, `d`, `m`, `sc`, `mn`, `qh`;
+    the fields a kind does not use are None). w = scale * (q - z) + min per block or group."""
 
     kind: str
     qs: torch.Tensor
     d: torch.Tensor
     m: torch.Tensor | None = None
+    sc: torch.Tensor | None = None
+    mn: torch.Tensor | None = None
+    qh: torch.Tensor | None = None
+
+    def fields(self) -> list[torch.Tensor | None]:
+        return [getattr(self, f) for f in FIELDS]
+
+    def tensors(self) -> list[torch.Tensor]:
+        """The kernels' argument: every field in `FIELDS` order, an empty tensor for an absent one."""
+        return [_NONE if t is None else t for t in self.fields()]
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.d.shape[0], self.d.shape[1] * 32
+        return self.qs.shape[0], self.qs.shape[1] * (1 if self.kind == "q8_0" else 2)
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.qs, self.d, self.m) if t is not None)
+        return sum(t.numel() * t.element_size() for t in self.fields() if t is not None)
+
+    def _map(self, fn) -> "QuantWeight":
+        return QuantWeight(self.kind, *(None if t is None else fn(t) for t in self.fields()))
 
     def rows(self, index: torch.Tensor) -> "QuantWeight":
-        pick = lambda t: None if t is None else t.index_select(0, index).contiguous()
-        return QuantWeight(self.kind, pick(self.qs), pick(self.d), pick(self.m))
+        return self._map(lambda t: t.index_select(0, index).contiguous())
 
     @staticmethod
     def cat(parts: list["QuantWeight"]) -> "QuantWeight":
@@ -100,43 +141,102 @@ class QuantWeight:
         assert all(p.kind == kind for p in parts), "one kind per concatenated weight"
         if len(parts) == 1:
             return parts[0]
-        m = None if parts[0].m is None else torch.cat([p.m for p in parts])
-        return QuantWeight(kind, torch.cat([p.qs for p in parts]), torch.cat([p.d for p in parts]), m)
+        cols = [[p.fields()[i] for p in parts] for i in range(len(FIELDS))]
+        return QuantWeight(kind, *(None if c[0] is None else torch.cat(c) for c in cols))
 
     def dequantize(self, r0: int = 0, r1: int | None = None, *, index: torch.Tensor | None = None) -> torch.Tensor:
         """float32 rows [r0, r1) (or the rows `index`) in torch ops: the reference, the eager path and
-        embedding lookups. Only those rows are unpacked."""
+        embedding lookups. Only those rows are unpacked; equal to gguf-py's dequantize bit for bit."""
         if index is not None:
             w = self.rows(index)
         else:
             r1 = self.shape[0] if r1 is None else r1
-            w = QuantWeight(self.kind, self.qs[r0:r1], self.d[r0:r1], None if self.m is None else self.m[r0:r1])
+            w = self._map(lambda t: t[r0:r1])
         n, k = w.shape
+        z = ZERO_POINTS[self.kind]
         if self.kind == "q8_0":
             q = w.qs.reshape(n, k // 32, 32)
         else:
             b = w.qs.reshape(n, k // 32, 16)
-            q = torch.cat([b & 0x0F, b >> 4], dim=-1)
-        out = (q.float() - ZERO_POINTS[self.kind]) * w.d.float()[..., None]
-        if w.m is not None:
-            out += w.m.float()[..., None]
-        return out.reshape(n, k)
+            q = torch.cat([b & 0x0F, b >> 4], dim=-1)  # [n, K/32, 32] in element order
+        if self.kind in ("q8_0", "q4_0", "q4_1"):
+            out = (q.float() - z) * w.d.float()[..., None]
+            if w.m is not None:
+                out += w.m.float()[..., None]
+            return out.reshape(n, k)
+        if w.qh is not None:  # the high bit planes, kernel order -> element order
+            planes = w.qh.reshape(n, k // 64, -1, 8)
+            shifts = torch.arange(8, dtype=torch.uint8)
+            for i in range(planes.shape[2]):
+                bits = ((planes[:, :, i, :, None] >> shifts) & 1).reshape(n, k // 64, 2, 2, 16)
+                q = q | (bits.transpose(2, 3).reshape(n, k // 32, 32) << (4 + i))
+        if self.kind == "q6_k":
+            scale = w.d.float().repeat_interleave(16, dim=1) * w.sc.float()  # [n, K/16]
+            return (scale[..., None] * (q.reshape(n, k // 16, 16).float() - z)).reshape(n, k)
+        scale = w.d.float().repeat_interleave(8, dim=1) * w.sc.float()  # [n, K/32]
+        dmin = w.m.float().repeat_interleave(8, dim=1) * w.mn.float()
+        return (scale[..., None] * q.float() - dmin[..., None]).reshape(n, k)
+
+
+def _nibbles(q: np.ndarray) -> np.ndarray:
+    """[n, k] values < 16 -> [n, k/2] bytes, per 32: byte j = element j | element j + 16 << 4."""
+    b = q.reshape(q.shape[0], -1, 32)
+    return ((b[..., :16] & 0x0F) | ((b[..., 16:] & 0x0F) << 4)).astype(np.uint8).reshape(q.shape[0], -1)
+
+
+def _bit_planes(q: np.ndarray, bits: tuple[int, ...]) -> np.ndarray:
+    """The given bits of [n, k] values, per 64 weights in the kernels' order: 8 bytes a plane."""
+    n, k = q.shape
+    order = q.reshape(n, k // 64, 2, 2, 16).transpose(0, 1, 3, 2, 4).reshape(n, k // 64, 64)
+    planes = [np.packbits((order >> b) & 1, axis=-1, bitorder="little") for b in bits]
+    return np.concatenate(planes, axis=-1).reshape(n, -1)
+
+
+def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes -> 8 6-bit scales and 8 6-bit mins (module docstring)."""
+    lo, hi, mix = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([lo & 63, (mix & 15) | ((lo >> 6) << 4)], axis=-1)
+    mn = np.concatenate([hi & 63, (mix >> 4) | ((hi >> 6) << 4)], axis=-1)
+    return sc, mn
+
+
+def _half(blocks: np.ndarray, at: int, n: int) -> torch.Tensor:
+    return torch.from_numpy(np.ascontiguousarray(blocks[..., at:at + 2]).view(np.float16).reshape(n, -1))
 
 
 def pack_blocks(raw: np.ndarray, ggml_type: int, n: int, k: int) -> QuantWeight:
     """The file's interleaved blocks of a [n, k] tensor -> a `QuantWeight` (one copy, made here)."""
     kind = KINDS[ggml_type]
-    bsize = {"q8_0": 34, "q4_0": 18, "q4_1": 20}[kind]
-    blocks = np.asarray(raw, dtype=np.uint8).reshape(n, k // 32, bsize)
-    d = torch.from_numpy(blocks[..., 0:2].copy().view(np.float16).reshape(n, k // 32))
-    m = None
+    bsize = BLOCK_BYTES[kind]
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(n, k // BLOCK_WEIGHTS[kind], bsize)
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a))
     if kind == "q8_0":
-        qs = torch.from_numpy(blocks[..., 2:].reshape(n, k) ^ np.uint8(0x80))  # int8 -> int8 + 128 as uint8
-    else:
-        if kind == "q4_1":
-            m = torch.from_numpy(blocks[..., 2:4].copy().view(np.float16).reshape(n, k // 32))
-        qs = torch.from_numpy(np.ascontiguousarray(blocks[..., bsize - 16:]).reshape(n, k // 2))
-    return QuantWeight(kind, qs.contiguous(), d.contiguous(), m)
+        return QuantWeight(kind, t(blocks[..., 2:].reshape(n, k) ^ np.uint8(0x80)), _half(blocks, 0, n))
+    if kind in ("q4_0", "q4_1"):
+        m = _half(blocks, 2, n) if kind == "q4_1" else None
+        return QuantWeight(kind, t(blocks[..., bsize - 16:].reshape(n, k // 2)), _half(blocks, 0, n), m)
+    nsb = k // 256
+    if kind == "q6_k":
+        ql = blocks[..., 0:128].reshape(n, nsb, 2, 2, 32)  # [half, byte group of 32, l]
+        qh = blocks[..., 128:192].reshape(n, nsb, 2, 1, 32)
+        lo = np.stack([ql & 15, ql >> 4], axis=2)  # [n, nsb, nibble, half, group, l]: q[64 nib + 32 group + l]
+        lo = lo.transpose(0, 1, 3, 2, 4, 5)  # [n, nsb, half, nibble, group, 32]
+        hi = (qh >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 1, 4, 1)) & 3  # [n, nsb, half, 4, 32]
+        q = (lo.reshape(n, nsb, 2, 4, 32) | (hi << 4)).reshape(n, k)
+        sc = t(blocks[..., 192:208].view(np.int8).reshape(n, k // 16))
+        return QuantWeight(kind, t(_nibbles(q)), _half(blocks, 208, n), sc=sc, qh=t(_bit_planes(q, (4, 5))))
+    sc, mn = _k_scales(blocks[..., 4:16])
+    qs = blocks[..., bsize - 128:].reshape(n, nsb, 4, 1, 32)
+    q = (qs >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)) & 15  # [n, nsb, group, 2, 32]
+    qh = None
+    if kind == "q5_k":
+        hb = blocks[..., 16:48].reshape(n, nsb, 1, 32)
+        high = (hb >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)) & 1  # [n, nsb, sub-block, 32]
+        q = q.reshape(n, nsb, 8, 32) | (high << 4)
+        qh = t(_bit_planes(q.reshape(n, k), (4,)))
+    q = q.reshape(n, k)
+    return QuantWeight(kind, t(_nibbles(q)), _half(blocks, 0, n), _half(blocks, 2, n),
+                       t(sc.reshape(n, k // 32)), t(mn.reshape(n, k // 32)), qh)
 
 
 def _unpermute_index(n_rows: int, n_head: int) -> torch.Tensor:
@@ -160,30 +260,59 @@ def load_quantized(path: str | Path) -> tuple[dict, dict[str, "QuantWeight | tor
     n_kv = int(meta.get(f"{arch}.attention.head_count_kv", n_head))
     data = np.memmap(path, dtype=np.uint8, mode="r")
     out: dict = {}
-    dequantized: set[str] = set()
+    as_bf16: set[str] = set()
     try:
         for name, t in index.items():
             qtype = gguf.GGMLQuantizationType(t.ggml_type)
             block, type_size = gguf.GGML_QUANT_SIZES[qtype]
             numel = int(np.prod(t.shape))
             raw = data[t.offset: t.offset + numel // block * type_size]
-            if t.ggml_type in KINDS and len(t.shape) == 2:
+            kind = KINDS.get(t.ggml_type)
+            if kind and len(t.shape) == 2 and t.shape[1] % BLOCK_WEIGHTS[kind] == 0:
                 w = pack_blocks(raw, t.ggml_type, *t.shape)
-            else:
-                if t.ggml_type not in (F32, F16, BF16):
-                    dequantized.add(qtype.name)
-                arr = quants.dequantize(raw, qtype) if t.ggml_type != F32 else raw.view(np.float32)
+            elif t.ggml_type == F32 or len(t.shape) == 1:  # norms, biases: float32
+                arr = raw.view(np.float32) if t.ggml_type == F32 else quants.dequantize(raw, qtype)
                 w = torch.from_numpy(np.array(arr, dtype=np.float32).reshape(t.shape))
+            else:  # any other matrix: bfloat16, one tensor at a time
+                w = _bf16(raw, t.ggml_type, qtype).reshape(t.shape)
+                as_bf16.add(qtype.name)
             if arch == "llama" and (".attn_q." in name or ".attn_k." in name):
                 perm = _unpermute_index(t.shape[0], n_head if ".attn_q." in name else n_kv)
                 w = w.rows(perm) if isinstance(w, QuantWeight) else w.index_select(0, perm)
             out[name] = w
     finally:
         del data
-    if dequantized:
-        log.warning("%s: tensors of type %s are not served quantized yet; dequantized to float32",
-                    Path(path).name, ", ".join(sorted(dequantized)))
+    if as_bf16:
+        log.warning("%s: tensors of type %s are not read by the quantized kernels; served as bfloat16",
+                    Path(path).name, ", ".join(sorted(as_bf16)))
     return meta, out
+
+
+def _bf16(raw: np.ndarray, ggml_type: int, qtype) -> torch.Tensor:
+    """A tensor's bytes as a flat bfloat16 tensor (BF16 as it is; F16 and other types via float32)."""
+    from gguf import quants
+
+    if ggml_type == BF16:
+        return torch.from_numpy(np.array(raw).view(np.int16)).view(torch.bfloat16)
+    arr = raw.view(np.float16) if ggml_type == F16 else quants.dequantize(raw, qtype)
+    return torch.from_numpy(np.asarray(arr, dtype=np.float32).reshape(-1)).to(torch.bfloat16)
+
+
+def quantized_share(path: str | Path) -> float:
+    """The fraction of a GGUF file's matrix bytes (norms and biases aside) in the types the kernels read
+    quantized (0 for an F32/F16/BF16 file): `dtype="auto"` serves a file quantized when any is."""
+    import gguf
+
+    _, index = read_tensor_index(path)
+    total = kept = 0
+    for t in index.values():
+        if len(t.shape) != 2:
+            continue
+        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.ggml_type)]
+        nbytes = int(np.prod(t.shape)) // block * size
+        total += nbytes
+        kept += nbytes if t.ggml_type in KINDS else 0
+    return kept / total if total else 0.0
 
 
 def is_gguf_folder(folder: str | Path) -> bool:

@@ -1,7 +1,8 @@
 """QuantLinear: the native forward's linears over GGUF block-quantized weights, read as they are.
 
 A `QuantWeight` (engine/loader/gguf_tensors.py: Q8_0, Q4_0, Q4_1 in 32-weight blocks, 1.0625 / 0.5625 /
-0.625 bytes per weight) is the only copy of a linear's weight. `QuantLinear` has `Linear`'s interface
+0.625 bytes per weight; Q4_K, Q5_K, Q6_K in 256-weight super-blocks, 0.578 / 0.703 / 0.820) is the only
+copy of a linear's weight. `QuantLinear` has `Linear`'s interface
 (call, `silu`, `times`, `plus`, `is_small`, `small`) plus `swiglu` for a [gate; up] weight:
 - 1 to 4 rows (decode), with the fused kernels built: `torch.ops.cellserve.quant_linear`
   (engine/model/kernels/csrc/quant_linear.cpp): the rows quantized per 32-block to int8 and dotted with
@@ -14,6 +15,9 @@ A `QuantWeight` (engine/loader/gguf_tensors.py: Q8_0, Q4_0, Q4_1 in 32-weight bl
   up to float32 summation order. (First version: each call unpacks the tiles again; a blocked GEMM that
   keeps unpacked blocks in cache across rows is issue #26's next step.)
 `QuantEmbedding` looks token rows up in the same blocks (a tied LM head and its embedding share them).
+`GroupLinear` runs stacked weights of several kinds (Q|K|V with V in Q6_K, as Q4_K_M files have it) as
+one linear per kind, and `CastLinear` / `CastEmbedding` hold the tensors of types the kernels do not
+read in bfloat16 (float32 in and out).
 """
 
 import torch
@@ -51,13 +55,12 @@ class QuantLinear:
 
     def _small(self, x, other, op) -> torch.Tensor:
         w = self.weight
-        return torch.ops.cellserve.quant_linear(x.float().contiguous(), w.qs, w.d, w.m, self.kind, self.bias,
-                                                other, op)
+        return torch.ops.cellserve.quant_linear(x.float().contiguous(), w.tensors(), self.kind, self.bias, other, op)
 
     def _tile(self, r0: int, r1: int) -> torch.Tensor:
         w = self.weight
         if self.small and _kernels():
-            return torch.ops.cellserve.quant_dequant(w.qs, w.d, w.m, self.kind, r0, r1)
+            return torch.ops.cellserve.quant_dequant(w.tensors(), self.kind, r0, r1)
         return w.dequantize(r0, r1)
 
     def _dense(self, x: torch.Tensor) -> torch.Tensor:
@@ -107,13 +110,113 @@ class QuantEmbedding:
         return self.weight.dequantize(index=tokens.reshape(-1))
 
 
-def linear_of(parts: list, bias: torch.Tensor | None = None) -> "QuantLinear | Linear":
+class CastLinear:
+    """A float linear whose weight is kept in bfloat16 (a GGUF tensor type the kernels do not read,
+    dequantized once per tensor), the one copy (no packed second one): float32 in and out, the bias
+    added in float32. Its `small` stays off (torch's bf16 matmul takes every row count)."""
+
+    def __init__(self, weights: list[torch.Tensor], bias: torch.Tensor | None = None):
+        parts = [w.detach().to(torch.bfloat16) for w in weights]
+        self.weight = parts[0].contiguous() if len(parts) == 1 else torch.cat(parts)
+        self.bias = None if bias is None else bias.detach().float().contiguous()
+        self.out_features = self.weight.shape[0]
+        self.small = False
+
+    def is_small(self, x: torch.Tensor) -> bool:
+        return False
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x.to(torch.bfloat16), self.weight).float()
+        return y if self.bias is None else y.add_(self.bias)
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(self(x))
+
+    def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        return self(x).mul_(other)
+
+    def plus(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        return self(x).add_(other)
+
+
+class GroupLinear:
+    """Stacked weights of different kinds (Q|K|V with V in q6_k and Q, K in q4_k, as Q4_K_M files have
+    them; or a part in a type kept as bfloat16): one linear per run of one kind, outputs concatenated.
+    `swiglu` for [gate; up]."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+        self.out_features = sum(p.out_features for p in parts)
+
+    @property
+    def small(self) -> bool:
+        return any(p.small for p in self.parts)
+
+    @small.setter
+    def small(self, on: bool) -> None:
+        for p in self.parts:
+            if not isinstance(p, CastLinear):
+                p.small = on
+
+    def is_small(self, x: torch.Tensor) -> bool:
+        return False
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p(x).float() for p in self.parts], dim=1)
+
+    def silu(self, x: torch.Tensor) -> torch.Tensor:
+        return F.silu(self(x))
+
+    def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        return self(x).mul_(other)
+
+    def plus(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
+        return self(x).add_(other)
+
+    def swiglu(self, x: torch.Tensor) -> torch.Tensor:
+        y = self(x)
+        n = self.out_features // 2
+        return F.silu(y[:, :n]).mul_(y[:, n:])
+
+
+def _kind_of(p) -> str:
+    return p.kind if isinstance(p, QuantWeight) else str(p.dtype)
+
+
+def linear_of(parts: list, bias: torch.Tensor | None = None) -> "QuantLinear | GroupLinear":
     """One linear over the stacked rows of `parts` (QuantWeights and/or float tensors): a QuantLinear
-    when they are all quantized in one kind, else a float32 `Linear` of them dequantized (a mixed group,
-    e.g. Q|K|V with V in another type; only phase 1's kinds are kept quantized)."""
+    when they are all quantized in one kind, else a `GroupLinear` of one linear per run of one kind
+    (QuantLinear; float32 `Linear` for float32 tensors; `CastLinear` for bfloat16 ones)."""
     if all(isinstance(p, QuantWeight) for p in parts) and len({p.kind for p in parts}) == 1:
         return QuantLinear(QuantWeight.cat(parts), bias)
-    return Linear([p.dequantize() if isinstance(p, QuantWeight) else p.float() for p in parts], bias)
+    runs: list[list] = []
+    for p in parts:
+        if runs and _kind_of(runs[-1][-1]) == _kind_of(p):
+            runs[-1].append(p)
+        else:
+            runs.append([p])
+    out, r0 = [], 0
+    for run in runs:
+        rows = sum(_rows(p) for p in run)
+        b = None if bias is None else bias[r0:r0 + rows]
+        r0 += rows
+        if isinstance(run[0], QuantWeight):
+            out.append(QuantLinear(QuantWeight.cat(run), b))
+        elif run[0].dtype == torch.float32:
+            out.append(Linear(run, b))
+        else:
+            out.append(CastLinear(run, b))
+    return GroupLinear(out)
+
+
+class CastEmbedding:
+    """Token rows of a bfloat16 table, as float32."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+    def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
+        return F.embedding(tokens, self.weight).float()
 
 
 def cat_biases(tensors: dict, names: list[str], sizes: list[int]) -> torch.Tensor | None:
@@ -131,13 +234,16 @@ def weight_bytes(native) -> int:
 
     def add(t) -> None:
         if isinstance(t, QuantWeight):
-            for a in (t.qs, t.d, t.m):
+            for a in t.fields():
                 add(a)
         elif isinstance(t, torch.Tensor) and t.layout == torch.strided:
             seen[t.data_ptr()] = t.numel() * t.element_size()
 
     def add_linear(lin) -> None:
-        if isinstance(lin, QuantLinear):
+        if isinstance(lin, GroupLinear):
+            for p in lin.parts:
+                add_linear(p)
+        elif isinstance(lin, (CastLinear, QuantLinear)):
             add(lin.weight)
             add(lin.bias)
         else:
@@ -148,7 +254,7 @@ def weight_bytes(native) -> int:
             add(lin.weight)
             add(lin.bias)
 
-    add(native.embed.weight if isinstance(native.embed, QuantEmbedding) else native.embed)
+    add(getattr(native.embed, "weight", native.embed))
     add(native.norm)
     add_linear(native.head)
     for layer in native.layers:
@@ -167,13 +273,8 @@ def layer_weights(tensors: dict, i: int) -> dict:
            "qkv": linear_of(qkv, cat_biases(t, [f"attn_{p}.bias" for p in "qkv"], [_rows(w) for w in qkv])),
            "o": linear_of([t["attn_output.weight"]], t.get("attn_output.bias")),
            "down": linear_of([t["ffn_down.weight"]], t.get("ffn_down.bias"))}
-    gate_up = linear_of([t["ffn_gate.weight"], t["ffn_up.weight"]])
-    if isinstance(gate_up, QuantLinear):
-        out |= {"gate_up": gate_up, "gate": gate_up, "up": gate_up}
-    else:  # a mixed pair: two float linears and the float path's swiglu
-        out |= {"gate": linear_of([t["ffn_gate.weight"]]), "up": linear_of([t["ffn_up.weight"]]),
-                "gate_up_bias": None}
-    return out
+    gate_up = linear_of([t["ffn_gate.weight"], t["ffn_up.weight"]])  # both have `swiglu`
+    return out | {"gate_up": gate_up, "gate": gate_up, "up": gate_up}
 
 
 def model_weights(tensors: dict) -> tuple:
@@ -181,8 +282,14 @@ def model_weights(tensors: dict) -> tuple:
     reads the embedding's own blocks."""
     embed = tensors["token_embd.weight"]
     head = tensors.get("output.weight", embed)
-    table = QuantEmbedding(embed) if isinstance(embed, QuantWeight) else embed
-    lm_head = QuantLinear(head) if isinstance(head, QuantWeight) else Linear([head.float()], gemv=True)
+    if isinstance(embed, QuantWeight):
+        table = QuantEmbedding(embed)
+    else:
+        table = embed if embed.dtype == torch.float32 else CastEmbedding(embed)
+    if isinstance(head, QuantWeight):
+        lm_head = QuantLinear(head)
+    else:
+        lm_head = Linear([head], gemv=True) if head.dtype == torch.float32 else CastLinear([head])
     return table, tensors["output_norm.weight"], lm_head
 
 

@@ -3,7 +3,8 @@ against dequantize-then-`F.linear` in fp32, for each block kind.
 
 Tolerances, and why:
 - unpacking (`quant_dequant`, `QuantWeight.dequantize`): exact (equal to gguf-py's dequantize: both
-  compute d * (q - z) + m once in fp32).
+  compute d * (q - z) + m in fp32 with the same roundings: for the K-quants (d * sc) * q - dmin * m, and
+  (d * sc) * (q - 32) for q6_k; the C++ path is compiled without fused multiply-adds there).
 - many rows (dequantized tiles + torch.mm): fp32 summation order only: atol 1e-4 on outputs of size ~10.
 - 1 to 4 rows (the integer kernel): the activations are rounded per 32-block to int8 (scale
   da = amax / 127, half away from zero), so against the fp32 reference an output may move by at most
@@ -12,24 +13,42 @@ Tolerances, and why:
   kernel is exact up to fp32 summation: atol 2e-4.
 """
 
+import sys
+from pathlib import Path
+
 import gguf
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from gguf import quants
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "loader"))
+import kquants  # tests/engine/loader/kquants.py: K-quant blocks from the definition
 
 from engine.loader.gguf_tensors import KIND_IDS, QuantWeight, pack_blocks
 from engine.model.kernels import build as kernels
 from engine.model.native.quant import QuantEmbedding, QuantLinear
 
 Q = gguf.GGMLQuantizationType
-KINDS = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1}
+KINDS = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K}
+K_KINDS = {"q4_k", "q5_k", "q6_k"}
+FILE_BYTES = {"q8_0": 34 / 32, "q4_0": 18 / 32, "q4_1": 20 / 32, "q4_k": 144 / 256, "q5_k": 176 / 256, "q6_k": 210 / 256}
+KEPT_BYTES = {**FILE_BYTES, "q4_k": 148 / 256, "q5_k": 180 / 256}  # the K-quants' 12 scale bytes kept as 16
+
+
+def _k(kind: str, k: int) -> int:
+    """K-quants come in 256-weight super-blocks: the 32-block sizes scaled up."""
+    return k * 8 if kind in K_KINDS else k
 
 
 def _weight(kind: str, n: int, k: int, seed: int = 0) -> tuple[QuantWeight, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     w = (torch.randn(n, k, generator=g) * 0.1 + 0.02).numpy()
-    raw = quants.quantize(w, KINDS[kind])
+    if seed % 2:  # a row of zeros and a sub-block of zeros: zero scales must give zeros, not NaNs
+        w[1] = 0
+        w[2, 32:64] = 0
+    raw = (kquants.quantize if kind in K_KINDS else quants.quantize)(w, KINDS[kind])
     ref = torch.from_numpy(quants.dequantize(raw, KINDS[kind]).reshape(n, k).copy())
     return pack_blocks(raw, KINDS[kind], n, k), ref
 
@@ -52,11 +71,12 @@ def built():
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("k", [96, 128])  # 96: two pairs of blocks... and a lone block at the end
 def test_unpacking_is_exact(kind, k):
-    w, ref = _weight(kind, 37, k)
-    assert w.nbytes == {"q8_0": 34, "q4_0": 18, "q4_1": 20}[kind] * 37 * k // 32  # the file's own bytes
+    k = _k(kind, k)
+    w, ref = _weight(kind, 37, k, seed=1)
+    assert w.nbytes == KEPT_BYTES[kind] * 37 * k  # the file's own bytes (K-quants: + 4 bytes a super-block)
     torch.testing.assert_close(w.dequantize(), ref, atol=0, rtol=0)
     torch.testing.assert_close(w.dequantize(5, 30), ref[5:30], atol=0, rtol=0)
-    torch.testing.assert_close(torch.ops.cellserve.quant_dequant(w.qs, w.d, w.m, KIND_IDS[kind], 3, 37), ref[3:],
+    torch.testing.assert_close(torch.ops.cellserve.quant_dequant(w.tensors(), KIND_IDS[kind], 3, 37), ref[3:],
                                atol=0, rtol=0)
     idx = torch.tensor([4, 0, 36, 4])
     torch.testing.assert_close(QuantEmbedding(w)(idx), ref[idx], atol=0, rtol=0)
@@ -67,7 +87,8 @@ def test_unpacking_is_exact(kind, k):
 @pytest.mark.parametrize("rows", [1, 2, 4])
 def test_small_rows_kernel(kind, k, rows):
     n = 70
-    w, ref = _weight(kind, n, k, seed=k)
+    k = _k(kind, k)
+    w, ref = _weight(kind, n, k, seed=k + 1)
     g = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, k, generator=g)
     x[0, :32] = 0  # an all-zero activation block (scale 0)
@@ -75,15 +96,15 @@ def test_small_rows_kernel(kind, k, rows):
     lin = QuantLinear(w, bias)
     lin.small = True
     assert lin.is_small(x) == torch.ops.cellserve.quant_linear_fast()
-    y = torch.ops.cellserve.quant_linear(x, w.qs, w.d, w.m, KIND_IDS[kind], bias, None, "none")
+    y = torch.ops.cellserve.quant_linear(x, w.tensors(), KIND_IDS[kind], bias, None, "none")
     xr, da = _round_activations(x)
     exact = (xr.double() @ ref.double().T + bias.double()).float()
     torch.testing.assert_close(y, exact, atol=2e-4, rtol=0)
     bound = (da / 2) @ ref.abs().T + 1e-4
     assert ((y - F.linear(x, ref, bias)).abs() <= bound).all()
-    torch.testing.assert_close(torch.ops.cellserve.quant_linear(x, w.qs, w.d, w.m, KIND_IDS[kind], bias, other, "add"),
+    torch.testing.assert_close(torch.ops.cellserve.quant_linear(x, w.tensors(), KIND_IDS[kind], bias, other, "add"),
                                exact + other, atol=2e-4, rtol=0)
-    gu = torch.ops.cellserve.quant_linear(x, w.qs, w.d, w.m, KIND_IDS[kind], bias, None, "swiglu")
+    gu = torch.ops.cellserve.quant_linear(x, w.tensors(), KIND_IDS[kind], bias, None, "swiglu")
     torch.testing.assert_close(gu, F.silu(exact[:, : n // 2]) * exact[:, n // 2:], atol=2e-4, rtol=0)
     torch.testing.assert_close(lin.plus(x, other), exact + other, atol=2e-4, rtol=0)
     torch.testing.assert_close(lin.swiglu(x), gu, atol=0, rtol=0)
@@ -92,7 +113,7 @@ def test_small_rows_kernel(kind, k, rows):
 @pytest.mark.parametrize("small", [True, False], ids=["kernels", "eager"])
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_many_rows_tiles(kind, small):
-    n, k = 90, 160
+    n, k = 90, _k(kind, 160)
     w, ref = _weight(kind, n, k, seed=3)
     g = torch.Generator().manual_seed(1)
     x, other = torch.randn(9, k, generator=g), torch.randn(9, n, generator=g)
@@ -107,3 +128,15 @@ def test_many_rows_tiles(kind, small):
     torch.testing.assert_close(lin.silu(x), F.silu(want), atol=1e-4, rtol=0)
     torch.testing.assert_close(lin.times(x, other), want * other, atol=1e-4, rtol=0)
     torch.testing.assert_close(lin.swiglu(x), F.silu(want[:, :45]) * want[:, 45:], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("kind", sorted(K_KINDS))
+def test_the_test_quantizer_writes_what_gguf_py_reads(kind):
+    """tests/engine/loader/kquants.py's blocks, read back by gguf-py, are the weights within their steps."""
+    g = torch.Generator().manual_seed(7)
+    w = (torch.randn(8, 512, generator=g) * 0.1).numpy()
+    back = quants.dequantize(kquants.quantize(w, KINDS[kind]), KINDS[kind]).reshape(w.shape)
+    step = {"q4_k": 15, "q5_k": 31, "q6_k": 63}[kind]
+    # a 32-block's range over the step count, + the 6-bit scale codes' relative error (1 / 63)
+    bound = np.ptp(w.reshape(8, -1, 32), axis=-1).max() / step * (0.5 + 1.0)
+    assert abs(back - w).max() < bound

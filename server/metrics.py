@@ -50,6 +50,9 @@ class EngineCollector(Collector):
             "engine_steps": ("Engine forward steps (ticks).", s.steps),
             "prefix_cache_queries": ("Prompt tokens looked up in the prefix cache.", s.prefix_queried_tokens),
             "prefix_cache_hits": ("Prompt tokens whose cells came from the prefix cache.", s.prefix_hit_tokens),
+            # vLLM's names for the same counts
+            "spec_decode_num_draft_tokens": ("Tokens drafted by speculative decoding.", s.draft_tokens),
+            "spec_decode_num_accepted_tokens": ("Drafted tokens kept.", s.accepted_draft_tokens),
         }
         for family, table in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
             for name, (doc, value) in table.items():

@@ -9,7 +9,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-SPECULATIVE_METHODS = (None, "ngram")
+SPECULATIVE_METHODS = ("auto", "ngram", "off", None)
 DEFAULT_SLOTS = 256  # sequence slots in the cell pool at least (persistent and cached sequences hold one)
 
 
@@ -33,9 +33,11 @@ class EngineArgs:
     # no backlog term). The environment may override both, for A/B runs. Scheduler says why.
     prefill_while_decoding: int = field(default_factory=lambda: _env_int("CELLSERVE_PREFILL_WHILE_DECODING", 32))
     prefill_backlog_ticks: int = field(default_factory=lambda: _env_int("CELLSERVE_PREFILL_BACKLOG_TICKS", 16))
-    # Speculative decoding (engine/core/speculative.py): "ngram" drafts from the sequence's own history
-    # and its siblings'; None: off. CELLSERVE_SPECULATIVE forces it (the oracle suite runs with it on).
-    speculative: str | None = field(default_factory=lambda: os.environ.get("CELLSERVE_SPECULATIVE") or None)
+    # Speculative decoding (engine/core/speculative.py): "ngram" drafts from the sequence's own history and
+    # its siblings' on every tick; "auto" does so only while few sequences decode (where a step is bound by
+    # streaming the weights, not by compute); "off" (or None) never. CELLSERVE_SPECULATIVE overrides the
+    # default (the oracle suite runs with "ngram" forced on).
+    speculative: str | None = field(default_factory=lambda: os.environ.get("CELLSERVE_SPECULATIVE") or "auto")
     num_speculative_tokens: int = 4  # the longest draft a sequence carries into one step
 
     def __post_init__(self):

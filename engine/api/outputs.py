@@ -59,6 +59,9 @@ class RequestOutput:
     timing: Timing = field(default_factory=Timing)
     cached_tokens: int = 0  # prompt tokens served from the prefix cache (usage.prompt_tokens_details)
     prompt_logprobs: PromptLogprobs | None = None  # on the request's first output only, when asked for
+    # speculative decoding so far: drafted tokens kept / thrown away (usage.completion_tokens_details)
+    accepted_draft_tokens: int = 0
+    rejected_draft_tokens: int = 0
 
 
 @dataclass
@@ -93,3 +96,5 @@ class EngineStats:
     prefix_cached: int = 0  # finished requests' sequences kept as cached prefixes
     prefix_queried_tokens: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hit_tokens: int = 0  # of those, tokens whose cells were shared instead of prefilled
+    draft_tokens: int = 0  # speculative decoding: tokens drafted into steps
+    accepted_draft_tokens: int = 0  # of those, tokens kept

@@ -62,9 +62,10 @@ class Engine:
                                    self.vocab_size, self.tokenizer, self.eos_ids)
         self.outputs = OutputProcessor(self.scheduler, self.requests, self.eos_ids)
         self.speculative = None
-        if cfg.speculative == "ngram":
+        if cfg.speculative in ("auto", "ngram"):
             self.speculative = SpeculativeDecoder(self.scheduler, self.sampler, self.outputs,
-                                                  cfg.num_speculative_tokens, runner.max_model_len)
+                                                  cfg.num_speculative_tokens, runner.max_model_len,
+                                                  always=cfg.speculative == "ngram")
         self.steps = self.generated_tokens = self.prompt_tokens = 0
 
     @classmethod
@@ -290,7 +291,8 @@ class Engine:
         return EngineStats(self.cache.n_cells, used, self.cache.n_cells - used, self.cache.read_len,
                            len(sched.running), len(sched.waiting), idle, sched.preemptions,
                            self.generated_tokens, self.prompt_tokens, self.steps,
-                           len(sched.holders) - len(sched.running) - idle, prefix.queried_tokens, prefix.hit_tokens)
+                           len(sched.holders) - len(sched.running) - idle, prefix.queried_tokens, prefix.hit_tokens,
+                           *((spec.drafted, spec.accepted) if (spec := self.speculative) else (0, 0)))
 
     def free_cells(self) -> int:
         """Cells a new request can get: free ones plus those only cached prefixes hold."""

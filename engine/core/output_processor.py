@@ -96,7 +96,9 @@ class OutputProcessor:
             plp, req.prompt_logprobs_sent = req.prompt_logprobs, True
         seq_id = req.persistent_seq.seq_id if req.persistent_seq else None
         out = RequestOutput(req.request_id, sorted(choices.values(), key=lambda c: c.index), req.prompt_ids,
-                            finished, seq_id, req.timing, req.cached_tokens or 0, prompt_logprobs=plp)
+                            finished, seq_id, req.timing, req.cached_tokens or 0, prompt_logprobs=plp,
+                            accepted_draft_tokens=req.accepted_draft_tokens,
+                            rejected_draft_tokens=req.rejected_draft_tokens)
         req.emit(out)
         return out
 

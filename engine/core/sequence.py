@@ -56,6 +56,7 @@ class Sequence:
     # prompt row's logits from its own prefill, on first admission and after a preemption.
     shares_prefix: bool = True
     draft: list[int] = field(default_factory=list)  # guessed next tokens for this tick (speculative), not yet truth
+    draft_len: int = 0  # how many tokens its next draft may hold (0: the engine's maximum); adapts to acceptance
 
     @property
     def pending(self) -> int:
@@ -106,6 +107,8 @@ class Request:
     grammar: object | None = None  # compiled grammar of a structured-output request (one state per choice)
     prompt_logprobs: PromptLogprobs | None = None  # filled while the prompt prefills, when asked for
     prompt_logprobs_sent: bool = False
+    accepted_draft_tokens: int = 0  # speculative decoding, over all choices
+    rejected_draft_tokens: int = 0
 
     def live(self) -> list[Sequence]:
         """Choices still generating for this request (a finished choice drops its `request`)."""

@@ -11,11 +11,15 @@ have produced anyway plus the token its first mismatch (or the draft's end) yiel
 of the rejected positions with `seq_rm`.
 
 Guarantees:
-- greedy output is token for token the output without speculation: row i is sampled with exactly the
-  history (outputs + accepted draft tokens) it would have had, penalties included, and a draft token is
-  kept only if it equals that row's argmax;
-- only greedy rows without a grammar draft (a grammar's state and a sampled row's draw would have to
-  follow tokens that may be rejected); every other row decodes one token as before;
+- output is token for token the output without speculation, greedy or seeded: row i is sampled with
+  exactly the history (outputs + accepted draft tokens) it would have had, penalties included, and with
+  the random draws the i-th next token would have used (the row's generator is rewound after the
+  verification and replayed over the kept rows only); a draft token is kept only if it equals the token
+  its row yields. For a draft proposed without a model this is exactly speculative sampling: a token
+  equal to the draft is accepted with probability p(draft), and on a mismatch the row's token is drawn
+  from p without the draft token (the residual distribution);
+- rows with a grammar do not draft (the grammar's state would have to follow tokens that may be
+  rejected); they decode one token as before;
 - after `verify` a sequence's cells hold exactly positions `[0, n_cached)` of its token ids, whether it
   keeps running, finished on an accepted token (EOS, a stop string, max_tokens) or went idle.
 """
@@ -28,10 +32,13 @@ from engine.api.outputs import CompletionOutput, TokenLogprob
 from engine.core.output_processor import OutputProcessor
 from engine.core.scheduler import Chunk, Scheduler
 from engine.core.sequence import Request, Sequence
-from engine.sample.sampler import Sampler
+from engine.sample.sampler import Sampler, advance
 
 NGRAM_MAX = 4  # the longest suffix matched against the history (vLLM's prompt_lookup_max default)
 NGRAM_MIN = 1
+# "auto" drafts only while at most this many sequences decode: there one step streams every weight once
+# for few rows, so drafted rows ride almost free; with more, a step is compute-bound and drafts cost.
+AUTO_MAX_DECODING = 4
 
 
 def lookup_draft(history: list[int], sources: list[list[int]], k: int) -> list[int]:
@@ -61,23 +68,26 @@ class SpeculativeDecoder:
     """Proposes drafts for the running sequences before a tick and verifies them after its forward."""
 
     def __init__(self, scheduler: Scheduler, sampler: Sampler, outputs: OutputProcessor, k: int,
-                 max_model_len: int):
+                 max_model_len: int, *, always: bool = True):
         self.scheduler, self.sampler, self.outputs = scheduler, sampler, outputs
-        self.k, self.max_model_len = k, max_model_len
+        self.k, self.max_model_len, self.always = k, max_model_len, always
         self.drafted = self.accepted = 0  # tokens proposed / kept, for reports
 
     def propose(self) -> None:
-        """Give every eligible running sequence a draft (the scheduler may still drop it for room)."""
-        for seq in self.scheduler.running:
-            seq.draft = self._draft_for(seq) if self._eligible(seq) else []
+        """Give every eligible running sequence a draft (the scheduler may still drop it for room); with
+        `always` off, only while few sequences decode."""
+        running = self.scheduler.running
+        quiet = self.always or len(running) <= AUTO_MAX_DECODING
+        for seq in running:
+            seq.draft = self._draft_for(seq) if quiet and self._eligible(seq) else []
 
     def _eligible(self, seq: Sequence) -> bool:
         req = seq.request
-        return (req is not None and not req.prefill_only and seq.grammar is None and seq.params.greedy
+        return (req is not None and not req.prefill_only and seq.grammar is None
                 and seq.cache_target() - seq.n_cached == 1 and not req.children_pending)
 
     def _draft_for(self, seq: Sequence) -> list[int]:
-        room = min(self.k, seq.params.max_tokens - seq.num_generated - 1,
+        room = min(seq.draft_len or self.k, seq.params.max_tokens - seq.num_generated - 1,
                    self.max_model_len - len(seq.token_ids) - 1)
         siblings = [s.token_ids for s in seq.request.seqs if s is not seq]
         return lookup_draft(seq.token_ids, siblings, room)
@@ -106,6 +116,10 @@ class SpeculativeDecoder:
             drafts_kept = min(kept, len(tokens) - 1)  # the last kept token is not a draft's: it has no cell
             self.drafted += len(c.draft)
             self.accepted += drafts_kept
+            req.accepted_draft_tokens += drafts_kept
+            req.rejected_draft_tokens += len(c.draft) - drafts_kept
+            # adapt: a draft kept whole may grow by one next time; else it shrinks to what was kept, plus one
+            seq.draft_len = min(self.k, len(c.draft) + 1) if drafts_kept == len(c.draft) else drafts_kept + 1
             self._trim(seq, start + drafts_kept)
             seq.draft = []
         return appended
@@ -117,10 +131,15 @@ class SpeculativeDecoder:
         p = seq.params
         outs = [seq.output_ids + draft[:i] for i in range(n)] if p.has_penalties else [[]] * n
         prompt = [seq.token_ids[: seq.gen_start] if p.has_penalties else []] * n
-        result = self.sampler(rows, [p] * n, [None] * n, outs, prompt, [None] * n)
+        g = seq.generator
+        state = g.get_state() if g is not None else None
+        result = self.sampler(rows, [p] * n, [g] * n, outs, prompt, [None] * n)
         a = 0
         while a < len(draft) and result.token_ids[a] == draft[a]:
             a += 1
+        if g is not None:  # as if only the kept rows had been sampled, one per tick
+            g.set_state(state)
+            advance(g, a + 1, rows.shape[1])
         lps = [TokenLogprob(t, lp, top or []) if lp is not None else None
                for t, lp, top in zip(result.token_ids, result.logprobs, result.top_logprobs)]
         return result.token_ids[: a + 1], lps[: a + 1]

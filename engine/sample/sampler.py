@@ -172,6 +172,13 @@ class Sampler:
         return out_lp, out_top
 
 
+def advance(generator: torch.Generator, rows: int, vocab_size: int) -> None:
+    """Move `generator` past `rows` sampled rows of `vocab_size` logits, drawing exactly what the Sampler
+    draws for them (speculative decoding rewinds a generator, then replays only the rows it kept)."""
+    for _ in range(rows):
+        _exponential(vocab_size, generator, torch.float32)
+
+
 def _exponential(n: int, g: torch.Generator, dtype: torch.dtype) -> torch.Tensor:
     """n Exp(1) draws from g, made on g's own device (a CPU generator also serves CUDA logits)."""
     return torch.empty(n, device=g.device, dtype=dtype).exponential_(generator=g)

@@ -39,14 +39,20 @@ def now() -> int:
     return int(time.time())
 
 
-def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict:
-    """OpenAI's usage; `prompt_tokens_details.cached_tokens`: prompt tokens whose cells came from the prefix cache."""
-    return {
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
+          drafts: tuple[int, int] = (0, 0)) -> dict:
+    """OpenAI's usage; `prompt_tokens_details.cached_tokens`: prompt tokens whose cells came from the prefix
+    cache; `completion_tokens_details` (when speculative decoding drafted): drafted tokens kept / rejected."""
+    out = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
+    if any(drafts):
+        out["completion_tokens_details"] = {"accepted_prediction_tokens": drafts[0],
+                                            "rejected_prediction_tokens": drafts[1]}
+    return out
 
 
 def completion_logprobs(lps: list[TokenLogprob], token_str: TokenStr, offset: int) -> dict:
@@ -145,6 +151,7 @@ class Formatter:
         self.extra = extra or {}
         self.echo = prefixes is not None
         self.cached: dict[int, int] = {}  # prompt index -> its cached prompt tokens
+        self.drafts: dict[int, tuple[int, int]] = {}  # prompt index -> drafted tokens (kept, rejected)
         self.prompt_lps: dict[int, dict] = {}  # prompt index -> its echoed prompt's logprobs
         self.vllm_k = vllm_prompt_logprobs
         self.vllm_lps: dict[int, list] = {}  # prompt index -> vLLM-shaped prompt_logprobs
@@ -165,11 +172,12 @@ class Formatter:
 
     def total_usage(self) -> dict:
         return usage(self.run.prompt_tokens(), sum(len(s.token_ids) for s in self.states.values()),
-                     sum(self.cached.values()))
+                     sum(self.cached.values()), tuple(map(sum, zip((0, 0), *self.drafts.values()))))
 
     def note(self, k: int, out: RequestOutput) -> None:
         """Per-request facts carried by every output (prompt tokens served from the prefix cache)."""
         self.cached[k] = out.cached_tokens
+        self.drafts[k] = (out.accepted_draft_tokens, out.rejected_draft_tokens)
         plp = out.prompt_logprobs
         if plp is not None:  # once per prompt
             if self.want_logprobs and self.echo:

@@ -95,13 +95,18 @@ def test_a_persistent_sequence_continues_on_its_drafted_cells(model):
     assert results[0] == results[1]
 
 
-@pytest.mark.parametrize("params", [SamplingParams(max_tokens=20, temperature=0.8, seed=3),
-                                    SamplingParams(max_tokens=20, temperature=0, guided=None, n=2)])
-def test_rows_that_cannot_draft_exactly_decode_as_before(model, params):
-    """Sampled rows (the draw would follow rejected tokens) do not draft; n > 1 drafts once forked."""
-    plain = _run(make_engine(model=model, speculative=None), [REPEATING], params)[0]
+@pytest.mark.parametrize("params", [
+    SamplingParams(max_tokens=30, temperature=0.7, seed=3),
+    SamplingParams(max_tokens=30, temperature=1.0, top_k=5, seed=11, frequency_penalty=0.5),
+    SamplingParams(max_tokens=30, temperature=0, n=3),
+    SamplingParams(max_tokens=30, temperature=0.5, n=2, seed=5),
+], ids=["sampled", "sampled-topk-penalty", "greedy-n3", "sampled-n2"])
+def test_seeded_and_n_choice_output_is_the_same_with_and_without_drafts(model, params):
+    """A sampled row draws with the noise its next token would have used without drafts (its generator is
+    rewound after verification): the same seed gives the same tokens, drafts or not."""
+    prompts = [REPEATING, prompt(6, 9) * 4]
+    plain = _run(make_engine(model=model, speculative=None), prompts, params)
     engine = make_engine(model=model, speculative="ngram")
-    spec = _run(engine, [REPEATING], params)[0]
-    assert spec.tokens == plain.tokens
-    if params.temperature:
-        assert engine.speculative.drafted == 0
+    spec = _run(engine, prompts, params)
+    assert [o.tokens for o in spec] == [o.tokens for o in plain]
+    assert engine.speculative.drafted > 0

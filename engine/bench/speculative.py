@@ -1,0 +1,102 @@
+"""Speculative decoding, on against off in one run: tok/s per workload and client count, acceptance, and
+whether the outputs are identical.
+
+    python -m engine.bench.speculative [--model smollm2-135m-instruct] [--clients 1,8] [--repeats 2]
+
+Workloads where output repeats input (real weights are needed: random weights never accept a draft):
+`edit` (return a short program with one change), `quote` (answer by quoting the passage), and `free`
+(an open question: little to copy, where speculation must not cost). Every request is greedy and runs
+to `--max-tokens` or EOS; the engine runs the same requests with `speculative="ngram"` and `"off"`,
+alternating `--repeats` times, and the best wall time of each is kept.
+"""
+
+import argparse
+import shlex
+import sys
+import time
+
+import torch
+
+from engine.api.args import EngineArgs
+from engine.api.sampling_params import SamplingParams
+from engine.bench.machine import machine
+from engine.core.engine import Engine
+from engine.loader.source import resolve_args
+from engine.model.runner import ModelRunner
+
+PROGRAM = '''def area(width, height):
+    """The area of a rectangle."""
+    return width * height
+
+
+def perimeter(width, height):
+    """The perimeter of a rectangle."""
+    return 2 * (width + height)
+
+
+def describe(width, height):
+    return f"{width} x {height}: area {area(width, height)}, perimeter {perimeter(width, height)}"
+'''
+PASSAGE = ("The cell cache holds one token's keys and values for every layer, that token's position and the "
+           "set of sequences owning it. A cell is free when nobody owns it. Forks share cells, cancels drop "
+           "claims, and a cell frees when its last owner leaves.")
+WORKLOADS = {
+    "edit": f"Rename the function `area` to `rect_area` everywhere in this code and return the whole code.\n\n"
+            f"```python\n{PROGRAM}```",
+    "quote": f"Repeat the following passage word for word.\n\n{PASSAGE}",
+    "free": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+}
+
+
+def run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+    outs: dict[str, list[int]] = {}
+
+    def sink(rid):
+        return lambda out: outs.setdefault(rid, []).extend(out.outputs[0].token_ids)
+
+    t = time.perf_counter()
+    for i, p in enumerate(prompts):
+        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0), sink(f"r{i}"))
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - t, [outs[f"r{i}"] for i in range(len(prompts))]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m engine.bench.speculative", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--clients", default="1,8")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--repeats", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    print("command:", shlex.join([sys.executable, "-m", "engine.bench.speculative", *(argv or sys.argv[1:])]))
+    print("machine:", machine())
+    base, _ = resolve_args(EngineArgs(model=args.model, dtype=args.dtype))
+    runner = ModelRunner.from_pretrained(base.model, dtype=base.dtype, **base.runner_kwargs())
+    tok = runner.tokenizer
+    print(f"{'workload':8} {'clients':>7} {'off tok/s':>10} {'ngram tok/s':>12} {'x':>6} {'accepted':>9} same")
+    for name, text in WORKLOADS.items():
+        ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
+                                      tokenize=True, return_dict=False)
+        for clients in (int(c) for c in args.clients.split(",")):
+            best, outs, rate = {}, {}, 0.0
+            for _ in range(args.repeats):
+                for mode in ("off", "ngram"):
+                    engine = Engine(runner, EngineArgs(speculative=mode, prefix_caching=False))
+                    wall, got = run(engine, [list(ids)] * clients, args.max_tokens)
+                    tokens = sum(len(o) for o in got)
+                    best[mode] = max(best.get(mode, 0.0), tokens / wall)
+                    outs[mode] = got
+                    if engine.speculative is not None and engine.speculative.drafted:
+                        rate = engine.speculative.accepted / engine.speculative.drafted
+            same = "yes" if outs["off"] == outs["ngram"] else "NO"
+            print(f"{name:8} {clients:7d} {best['off']:10.1f} {best['ngram']:12.1f} "
+                  f"{best['ngram'] / best['off']:6.2f} {rate:9.0%} {same}", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,43 @@
+"""Speculative decoding over HTTP: the same text with drafts on or off, and OpenAI's usage fields and
+vLLM's /metrics counters saying how many drafted tokens were kept."""
+
+import json
+
+import httpx
+from http_support import LiveServer
+
+# A text that repeats itself: prompt lookup can guess its continuation.
+PROMPT = "the cat sat on the mat. the cat sat on the mat. the cat sat on the mat. the cat"
+
+
+def _complete(srv, stream: bool) -> tuple[str, dict]:
+    body = {"prompt": PROMPT, "max_tokens": 32, "temperature": 0, "stream": stream}
+    if not stream:
+        out = httpx.post(f"{srv.url}/v1/completions", json=body, timeout=60).json()
+        return out["choices"][0]["text"], out["usage"]
+    body["stream_options"] = {"include_usage": True}
+    text, use = "", None
+    with httpx.stream("POST", f"{srv.url}/v1/completions", json=body, timeout=60) as r:
+        for line in r.iter_lines():
+            if line.startswith("data: {"):
+                chunk = json.loads(line[6:])
+                text += "".join(c["text"] for c in chunk["choices"])
+                use = chunk.get("usage") or use
+    return text, use
+
+
+def test_drafts_change_nothing_a_client_reads_but_the_usage_details(model_dir):
+    with LiveServer(model_dir, speculative="off") as srv:
+        plain, plain_use = _complete(srv, stream=False)
+    assert "completion_tokens_details" not in plain_use
+    with LiveServer(model_dir, speculative="ngram") as srv:
+        for stream in (False, True):
+            text, use = _complete(srv, stream)
+            assert text == plain
+            details = use["completion_tokens_details"]
+            assert details["accepted_prediction_tokens"] > 0
+            assert details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"] > 0
+            assert use["completion_tokens"] == plain_use["completion_tokens"]
+        metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
+    accepted = [line for line in metrics.splitlines() if line.startswith("cellserve:spec_decode_num_accepted_tokens")]
+    assert accepted and float(accepted[0].split()[-1]) > 0

@@ -39,14 +39,16 @@ class TokenizerService:
 
     async def prompt_ids(self, prompt: str | Sequence[int] | None, messages: Sequence[Any] | None = None, *,
                          add_generation_prompt: bool = True, add_special_tokens: bool = True,
-                         empty_ok: bool = False, tools: list[dict] | None = None) -> list[int]:
+                         empty_ok: bool = False, tools: list[dict] | None = None,
+                         template_kwargs: dict | None = None) -> list[int]:
         """The one way a request's prompt becomes token ids: chat `messages` through the template, text
         through the tokenizer, token ids as given. `empty_ok`: an empty text stays empty (a sequence
         continuation with nothing to append, /tokenize of ""); otherwise it becomes `[bos]` (or a 400).
         `tools`: tool definitions for a chat template that renders them."""
         if messages is not None:
             dicts = [m.as_template_dict() for m in messages]
-            return await self.encode_chat(dicts, add_generation_prompt=add_generation_prompt, tools=tools)
+            return await self.encode_chat(dicts, add_generation_prompt=add_generation_prompt, tools=tools,
+                                          template_kwargs=template_kwargs)
         if isinstance(prompt, str):
             if not prompt and empty_ok:
                 return []
@@ -59,14 +61,17 @@ class TokenizerService:
         return self._non_empty(list(ids), param)
 
     async def encode_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
-                          tools: list[dict] | None = None) -> list[int]:
+                          tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         """`tools`: OpenAI tool definitions for templates that render them
-        (`server.openai.tools.supports_tools`)."""
+        (`server.openai.tools.supports_tools`); `template_kwargs`: extra template variables
+        (`chat_template_kwargs`, e.g. enable_thinking)."""
         if not self.has_chat_template:
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions with a "
                            "plain prompt instead", param="messages")
         self.check_length([m.get("content") or "" for m in messages] + [json.dumps(tools or "")], "messages")
-        extra = {"tools": tools} if tools else {}
+        extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
+        for reserved in ("conversation", "tokenize", "return_dict", "add_generation_prompt", "messages"):
+            extra.pop(reserved, None)
         try:
             out = await asyncio.to_thread(
                 self.tok.apply_chat_template, list(messages), add_generation_prompt=add_generation_prompt,
@@ -78,6 +83,22 @@ class TokenizerService:
         if ids and isinstance(ids[0], list):  # some tokenizers return a batch of one
             ids = ids[0]
         return self._non_empty([int(t) for t in ids], "messages")
+
+    async def bad_words_ids(self, words: Sequence[str]) -> list[list[int]]:
+        """vLLM's rule: each word as it tokenizes alone and after a space (both are banned)."""
+        def run() -> list[list[int]]:
+            out: list[list[int]] = []
+            for word in words:
+                for text in (word, " " + word.lstrip()):
+                    ids = list(self.tok.encode(text, add_special_tokens=False))
+                    if ids and ids not in out:
+                        out.append(ids)
+            return out
+        return await asyncio.to_thread(run)
+
+    def eos_ids(self) -> list[int]:
+        eos = getattr(self.tok, "eos_token_id", None)
+        return [eos] if isinstance(eos, int) else list(eos or [])
 
     async def decode(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str:
         return await asyncio.to_thread(self.tok.decode, list(ids), skip_special_tokens=skip_special_tokens)

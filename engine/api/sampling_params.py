@@ -29,6 +29,12 @@ MAX_STOP_CHARS = 256
 GREEDY_EPS = 1e-5
 GUIDED_KINDS = ("json_object", "json_schema", "regex", "choice", "grammar", "structural_tag")
 MAX_GUIDED_CHARS = 1 << 20  # a schema/regex/grammar larger than 1 MiB is refused before compiling
+# Token lists the sampler masks every step (vLLM's allowed_token_ids, bad_words): bounded so a request
+# cannot make each step's mask cost grow without limit.
+MAX_ALLOWED_TOKENS = 1 << 16
+MAX_BAD_WORDS = 128
+MAX_BAD_WORD_TOKENS = 32
+PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # the range torch.Generator.manual_seed accepts
 
 
@@ -99,6 +105,15 @@ class SamplingParams:
     as one string; it is stored as a list. `logit_bias` keys may be ints or decimal strings (the OpenAI JSON
     form); they are stored as ints. `logprobs` None means off; k >= 0 returns the chosen token's logprob
     and the k most likely tokens.
+
+    Token rules (vLLM's extras), applied by the Sampler as masks before sampling:
+    - `min_tokens`: until that many tokens are generated, `stop_token_ids` and `eos_token_ids` cannot
+      be sampled (and do not stop the choice, engine/core/output_processor.py), so the reply is at
+      least that long unless max_tokens or a stop string ends it first.
+    - `allowed_token_ids`: only these ids can be sampled (None: all).
+    - `bad_words_ids`: token sequences that are never completed: a one-token word is never sampled;
+      a longer one's last token is masked when the output ends with the rest of it.
+    `priority` (lower first, vLLM's convention) is carried for the scheduler; it does not yet reorder.
     """
 
     max_tokens: int = 16
@@ -118,6 +133,11 @@ class SamplingParams:
     n: int = 1
     guided: GuidedDecoding | None = None  # structured output: the text must match this grammar
     prompt_logprobs: int | None = None  # logprobs of the prompt tokens too (+ this many alternatives each)
+    min_tokens: int = 0
+    eos_token_ids: list[int] = field(default_factory=list)  # ids that end a reply, masked until min_tokens
+    allowed_token_ids: list[int] | None = None
+    bad_words_ids: list[list[int]] = field(default_factory=list)
+    priority: int = 0
 
     def __post_init__(self):
         self.max_tokens = _integer("max_tokens", self.max_tokens, 0, 2**31 - 1)
@@ -141,6 +161,22 @@ class SamplingParams:
         self.n = _integer("n", self.n, 1, MAX_N)
         if self.prompt_logprobs is not None:
             self.prompt_logprobs = _integer("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
+        self.min_tokens = _integer("min_tokens", self.min_tokens, 0, 2**31 - 1)
+        if self.min_tokens > self.max_tokens:
+            raise SamplingError("min_tokens", f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
+        self.eos_token_ids = self._check_token_list("eos_token_ids", self.eos_token_ids)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = self._check_token_list("allowed_token_ids", self.allowed_token_ids)
+            if not self.allowed_token_ids:
+                raise SamplingError("allowed_token_ids", "give at least one token id (or leave it unset)")
+            if len(self.allowed_token_ids) > MAX_ALLOWED_TOKENS:
+                raise SamplingError("allowed_token_ids", f"at most {MAX_ALLOWED_TOKENS} ids")
+        if not isinstance(self.bad_words_ids, (list, tuple)) or len(self.bad_words_ids) > MAX_BAD_WORDS:
+            raise SamplingError("bad_words", f"must be a list of at most {MAX_BAD_WORDS} words")
+        self.bad_words_ids = [self._check_token_list("bad_words", w) for w in self.bad_words_ids]
+        if any(not w or len(w) > MAX_BAD_WORD_TOKENS for w in self.bad_words_ids):
+            raise SamplingError("bad_words", f"each word must be 1 to {MAX_BAD_WORD_TOKENS} tokens")
+        self.priority = _integer("priority", self.priority, *PRIORITY_RANGE)
         if self.guided is not None and not isinstance(self.guided, GuidedDecoding):
             raise SamplingError("guided", f"must be a GuidedDecoding, got {type(self.guided).__name__}")
 
@@ -171,7 +207,9 @@ class SamplingParams:
 
     def check_vocab(self, vocab_size: int) -> None:
         """Raise SamplingError if a token id in logit_bias or stop_token_ids is outside the vocabulary."""
-        for name, ids in (("logit_bias", self.logit_bias.keys()), ("stop_token_ids", self.stop_token_ids)):
+        for name, ids in (("logit_bias", self.logit_bias.keys()), ("stop_token_ids", self.stop_token_ids),
+                          ("allowed_token_ids", self.allowed_token_ids or ()),
+                          ("bad_words", [t for w in self.bad_words_ids for t in w])):
             bad = [t for t in ids if t >= vocab_size]
             if bad:
                 raise SamplingError(name, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")
@@ -183,7 +221,15 @@ class SamplingParams:
 
     @property
     def has_penalties(self) -> bool:
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+        """The sampler reads this row's token history (the engine passes it only then): penalties, and
+        the rules that depend on what was generated (min_tokens, bad_words)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.min_tokens or self.bad_words_ids)
+
+    @property
+    def masks_tokens(self) -> bool:
+        """A token rule (min_tokens, allowed_token_ids, bad_words) may mask logits of this row."""
+        return bool(self.min_tokens or self.allowed_token_ids is not None or self.bad_words_ids)
 
     @property
     def truncates(self) -> bool:

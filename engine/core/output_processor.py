@@ -33,6 +33,8 @@ def check_stop_token(params: SamplingParams, token_id: int, num_generated: int,
     token stays in the output token ids but its text should not be pushed to the detokenizer. Stop
     *strings* are the detokenizer's job (engine/core/detokenizer.py).
     """
+    if num_generated <= params.min_tokens:  # the sampler masks these until min_tokens; never stop early
+        return ("length", None) if num_generated >= params.max_tokens else None
     if token_id in params.stop_token_ids:
         return "stop", token_id
     if not params.ignore_eos and token_id in eos_token_ids:

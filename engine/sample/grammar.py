@@ -38,7 +38,8 @@ _ANY_WHITESPACE = False
 # A small model given a free number or free whitespace can write `1111...` or newlines until max_tokens.
 # llama.cpp's JSON-schema grammar bounds them; so do we, by rewriting xgrammar's JSON rules: at most 16
 # integer digits, 16 fraction digits and 3 exponent digits, and whitespace (where a grammar allows it:
-# JSON inside tool-call tags) of one space or one newline plus up to 20 indent characters.
+# JSON inside tool-call tags) of one space (one free character) or of one space or one newline plus up to
+# 20 indent characters (a free run).
 _BOUNDED_RULES = {
     'basic_integer ::= (("0") | (basic_integer_1 [1-9] [0-9]*))':
         'basic_integer ::= (("0") | (basic_integer_1 [1-9] [0-9]{0, 15}))',
@@ -51,6 +52,9 @@ _BOUNDED_RULES = {
 _FREE_WS = "[ \\n\\r\\t]*"
 _STRING_LOOKAHEAD = "(=(" + _FREE_WS + " [,}\\]:]))"  # a lookahead, not output: left as it is
 _BOUNDED_WS = "json_ws"
+# One free whitespace character (tool-call JSON, `max_whitespace_cnt: 1`) becomes one space: a small model
+# that loves newlines writes compact JSON, as `any_whitespace=False` grammars do.
+_ONE_WS, _ONE_SPACE = '("" | ([ \\n\\r\\t]))', '("" | (" "))'
 _BOUNDED_WS_RULE = 'json_ws ::= ("" | " " | ("\\n" [ \\t]{0, 20}))'
 
 
@@ -132,7 +136,7 @@ def bounded_json(grammar) -> str:
     """The EBNF of an xgrammar JSON grammar (schema, object or tool-call tags) with numbers and free
     whitespace bounded (see `_BOUNDED_RULES`). A rule xgrammar no longer prints as expected is left as it
     is (tests/engine/sample/test_grammar_bounds.py fails then, so a version bump cannot hide it)."""
-    text = str(grammar)
+    text = str(grammar).replace(_ONE_WS, _ONE_SPACE)
     for free, bounded in _BOUNDED_RULES.items():
         text = text.replace(free, bounded)
     if _FREE_WS in text:

@@ -6,6 +6,7 @@ matrix, then a Gumbel-max / exponential race draw whose noise comes from each ro
 `torch.Generator`. A seeded row therefore yields the same tokens whatever else shares the batch.
 
 Processing order (the vLLM v1 order): logit_bias -> repetition penalty -> frequency/presence penalty ->
+token rules (allowed_token_ids, bad_words, min_tokens: banned tokens become -inf) -> grammar mask ->
 greedy argmax, or temperature -> min_p -> top_k -> top_p -> draw.
 
 Logprobs are "raw" (vLLM v1's default `raw_logprobs`): `log_softmax` of the logits exactly as the model
@@ -72,7 +73,7 @@ class Sampler:
                  grammars: Sequence[object | None] | None = None) -> SampleResult:
         B = self._check_inputs(logits, params, generators, output_ids, prompt_ids, grammars)
         want_lp = any(p.logprobs is not None for p in params)
-        plain = not any(p.has_penalties or p.logit_bias for p in params)
+        plain = not any(p.has_penalties or p.logit_bias or p.masks_tokens for p in params)
         constrained = [i for i, g in enumerate(grammars or ()) if g is not None]
         if plain and not want_lp and not constrained and all(p.greedy for p in params):
             return SampleResult(logits.argmax(dim=-1).tolist(), [None] * B, [None] * B)
@@ -80,6 +81,8 @@ class Sampler:
         x = logits.float().clone()
         if not plain:
             self._apply_bias_and_penalties(x, params, output_ids, prompt_ids)
+            if any(p.masks_tokens for p in params):
+                self._apply_token_rules(x, params, output_ids)
         if constrained:
             from engine.sample.grammar import apply_masks  # xgrammar is loaded only once a grammar is used
 
@@ -132,6 +135,39 @@ class Sampler:
             freq = torch.tensor([p.frequency_penalty for p in params], device=dev, dtype=x.dtype)[:, None]
             pres = torch.tensor([p.presence_penalty for p in params], device=dev, dtype=x.dtype)[:, None]
             x.sub_(freq * counts + pres * (counts > 0).to(x.dtype))
+
+    @staticmethod
+    def _apply_token_rules(x: torch.Tensor, params, output_ids) -> None:
+        """In place on x [B, V]: every token a row's rules ban becomes -inf, in one masked fill.
+
+        allowed_token_ids: all but those. min_tokens: stop_token_ids and eos_token_ids while fewer than
+        min_tokens tokens were generated. bad_words: a one-token word always; a longer word's last token
+        when the output ends with the rest of the word."""
+        B, V = x.shape
+        dev = x.device
+        out = output_ids if output_ids is not None else [()] * B
+        ban = torch.zeros(B, V, dtype=torch.bool, device=dev)
+        allowed = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
+        if allowed:
+            ban[allowed] = True
+            r, t = _flat_index(allowed, [params[i].allowed_token_ids for i in allowed], dev)
+            ban[r, t] = False
+        rows, toks = [], []
+        for i, p in enumerate(params):
+            if p.min_tokens and len(out[i]) < p.min_tokens:
+                ids = p.stop_token_ids + p.eos_token_ids
+                rows += [i] * len(ids)
+                toks += ids
+            if p.bad_words_ids:
+                k = max(len(w) for w in p.bad_words_ids) - 1
+                history = list(out[i][max(len(out[i]) - k, 0):]) if k else []
+                for w in p.bad_words_ids:
+                    if len(w) == 1 or (len(history) >= len(w) - 1 and history[len(history) - len(w) + 1:] == w[:-1]):
+                        rows.append(i)
+                        toks.append(w[-1])
+        if rows:
+            ban[torch.tensor(rows, device=dev), torch.tensor(toks, device=dev)] = True
+        x.masked_fill_(ban, float("-inf"))
 
     def _choose(self, x: torch.Tensor, params, generators) -> torch.Tensor:
         """Greedy rows: argmax of x. Other rows: truncate x / T, then the exponential race per row."""

@@ -141,9 +141,10 @@ class Formatter:
 
     def __init__(self, run: GenerationRun, *, model: str, token_str: TokenStr, n: int, want_logprobs: bool,
                  include_usage: bool = False, prefixes: list[str] | None = None, extra: dict | None = None,
-                 vllm_prompt_logprobs: int | None = None):
+                 vllm_prompt_logprobs: int | None = None, include_stop_str: bool = False):
         """`model`: the model name the answers carry; `token_str`: a token id's text (for logprobs).
-        `vllm_prompt_logprobs`: add vLLM's per-choice `prompt_logprobs` (k alternatives per token)."""
+        `vllm_prompt_logprobs`: add vLLM's per-choice `prompt_logprobs` (k alternatives per token).
+        `include_stop_str`: a choice ended by a stop string keeps that string at the end of its text."""
         self.run, self.model, self.token_str = run, model, token_str
         self.want_logprobs = want_logprobs
         self.include_usage = include_usage
@@ -154,6 +155,7 @@ class Formatter:
         self.drafts: dict[int, tuple[int, int]] = {}  # prompt index -> drafted tokens (kept, rejected)
         self.prompt_lps: dict[int, dict] = {}  # prompt index -> its echoed prompt's logprobs
         self.vllm_k = vllm_prompt_logprobs
+        self.include_stop_str = include_stop_str
         self.vllm_lps: dict[int, list] = {}  # prompt index -> vLLM-shaped prompt_logprobs
         self.states = {
             (k, i): ChoiceState(index=k * n + i, prompt_index=k, prefix=(prefixes or [""] * len(run.prompts))[k])
@@ -162,6 +164,8 @@ class Formatter:
 
     def apply(self, k: int, co: CompletionOutput) -> ChoiceState:
         st = self.states[(k, co.index)]
+        if self.include_stop_str and co.finish_reason == "stop" and isinstance(co.stop_reason, str):
+            co.text += co.stop_reason
         st.text += co.text
         st.token_ids += co.token_ids
         if co.logprobs:

@@ -40,24 +40,26 @@ from server.schema import ParamError, StrictModel
 # field -> the values that mean "off" (accepted and ignored); any other value is a 400 naming the field.
 UNSUPPORTED: dict[str, tuple] = {
     "best_of": (1,), "use_beam_search": (False,), "length_penalty": (1, 1.0), "early_stopping": (False,),
-    "min_tokens": (0,), "allowed_token_ids": (), "bad_words": ([],), "include_stop_str_in_output": (False,),
-    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,), "truncate_prompt_tokens": (),
+    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
     "guided_whitespace_pattern": (), "structural_tag": (), "logits_processors": ([],), "typical_p": (1, 1.0),
-    "top_a": (0, 0.0), "tfs_z": (1, 1.0), "mirostat": (0,), "n_probs": (0,), "grammar": ("",), "json_schema": (),
-    "return_tokens_as_token_ids": (False,), "prompt_logprobs": (), "priority": (0,), "kv_transfer_params": (),
-    "vllm_xargs": (), "audio": (), "modalities": (["text"],), "prediction": (), "reasoning_effort": (),
+    "top_a": (0, 0.0), "tfs_z": (1, 1.0), "mirostat": (0,), "n_probs": (0,),
+    "return_tokens_as_token_ids": (False,), "prompt_logprobs": (), "kv_transfer_params": (),
+    "vllm_xargs": (), "audio": (), "modalities": (["text"],),
     "web_search_options": (), "functions": (), "function_call": ("none",), "documents": (), "chat_template": (),
-    "chat_template_kwargs": (), "continue_final_message": (False,), "mm_processor_kwargs": (),
-    "verbosity": (), "bad_words_ids": (), "min_length": (0,), "thinking": (),
+    "continue_final_message": (False,), "mm_processor_kwargs": (),
+    "verbosity": (), "bad_words_ids": (), "min_length": (0,),
 }
 # Fields of one route that another route does not honour (e.g. `tools` sent to /v1/completions).
 CHAT_ONLY: dict[str, tuple] = {"tools": ([],), "tool_choice": ("none",), "max_completion_tokens": (),
-                               "top_logprobs": ()}
+                               "top_logprobs": (), "chat_template_kwargs": (), "reasoning_effort": (),
+                               "thinking": ()}
 COMPLETIONS_ONLY: dict[str, tuple] = {"echo": (False,), "suffix": ("",)}
 # Accepted and ignored: they change nothing this server computes (listed in the README).
 IGNORED = ("model", "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-           "request_id", "parallel_tool_calls (without tools)")
-GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar")
+           "request_id", "parallel_tool_calls (without tools)", "prediction (no draft source uses it yet)",
+           "priority (carried to the engine; the scheduler does not order by it yet)")
+GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "grammar",
+                 "json_schema")
 GUIDED_BACKENDS = ("xgrammar", "auto")
 
 
@@ -199,6 +201,21 @@ class SamplingFields(StrictModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
     guided_decoding_backend: str | None = None
+    grammar: str | None = None  # llama.cpp's name for guided_grammar (GBNF/EBNF)
+    json_schema: dict[str, Any] | None = None  # llama.cpp's name for guided_json
+    # vLLM's extras (engine.api.sampling_params.SamplingParams documents each rule)
+    min_tokens: int = Field(0, ge=0)
+    include_stop_str_in_output: bool = False
+    allowed_token_ids: list[int] | None = Field(None, min_length=1)
+    bad_words: list[str] | None = None
+    priority: int = 0
+    truncate_prompt_tokens: int | None = Field(None, ge=1)
+    prediction: dict[str, Any] | None = None  # OpenAI's predicted outputs: accepted, not used as a draft yet
+
+    @field_validator("grammar", mode="before")
+    @classmethod
+    def _empty_grammar_is_none(cls, value: Any) -> Any:
+        return None if value == "" else value
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -258,6 +275,10 @@ class SamplingFields(StrictModel):
             return {"kind": "choice", "choices": tuple(self.guided_choice), "param": "guided_choice"}
         if self.guided_grammar is not None:
             return {"kind": "grammar", "spec": self.guided_grammar, "param": "guided_grammar"}
+        if self.grammar is not None:
+            return {"kind": "grammar", "spec": self.grammar, "param": "grammar"}
+        if self.json_schema is not None:
+            return {"kind": "json_schema", "spec": json.dumps(self.json_schema), "param": "json_schema"}
         return None
 
     def logit_bias_ids(self) -> dict[int, float] | None:
@@ -310,6 +331,9 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = Field(None, max_length=128)
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool = True
+    chat_template_kwargs: dict[str, Any] | None = None  # passed to the chat template (e.g. enable_thinking)
+    reasoning_effort: Literal["none", "minimal", "low", "medium", "high"] | None = None
+    thinking: dict[str, Any] | None = None  # {"type": "enabled"|"disabled"}: the template's thinking switch
 
     @model_validator(mode="after")
     def _top_logprobs_need_logprobs(self):
@@ -361,11 +385,18 @@ PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids
 
 
 def sampling_params(fields: SamplingFields, *, max_tokens: int, logprobs: int | None,
-                    guided: dict | None = None, prompt_logprobs: int | None = None) -> SamplingParams:
+                    guided: dict | None = None, prompt_logprobs: int | None = None,
+                    bad_words_ids: list[list[int]] | None = None, eos_token_ids: list[int] | None = None
+                    ) -> SamplingParams:
     """`guided`: an output constraint that overrides the fields' own (tool calls build one).
-    `prompt_logprobs`: also score the prompt tokens (with this many alternatives each)."""
+    `prompt_logprobs`: also score the prompt tokens (with this many alternatives each).
+    `bad_words_ids`: the request's `bad_words` tokenized (`TokenizerService.bad_words_ids`);
+    `eos_token_ids`: the tokenizer's EOS ids, masked with stop_token_ids while `min_tokens` is not reached."""
     kwargs: dict[str, Any] = {"max_tokens": max_tokens, "n": fields.n, "ignore_eos": fields.ignore_eos,
-                              "logprobs": logprobs, "prompt_logprobs": prompt_logprobs}
+                              "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
+                              "min_tokens": fields.min_tokens, "allowed_token_ids": fields.allowed_token_ids,
+                              "bad_words_ids": bad_words_ids or [], "priority": fields.priority,
+                              "eos_token_ids": (eos_token_ids or []) if fields.min_tokens else []}
     for name in PASSTHROUGH:
         value = getattr(fields, name)
         if value is not None:

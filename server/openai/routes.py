@@ -10,21 +10,35 @@ from fastapi.responses import Response
 
 from engine.api.ids import new_id
 from server.errors import APIError
-from server.openai.chat import ChatFormatter
+from server.openai.chat import ChatFormatter, ToolSetup
 from server.openai.completions import Formatter
 from server.openai.generation import GenerationRun
 from server.openai.protocol import (
     COMPLETION_DEFAULT_MAX_TOKENS,
     ChatCompletionRequest,
     CompletionRequest,
+    SamplingFields,
     sampling_params,
 )
+from server.openai.reasoning import opens_thinking, speaks_think, template_kwargs
 from server.openai.response import serve
 from server.openai.sse import STREAMED_200
-from server.openai.tools import call_grammar, supports_tools, template_tools
+from server.openai.tools import call_grammar, format_for, generic_messages, template_tools
 from server.state import ServerContext
 
 router = APIRouter()
+
+
+def truncated(prompt: list[int], body: SamplingFields) -> list[int]:
+    """vLLM's `truncate_prompt_tokens`: keep only the last k prompt tokens."""
+    k = body.truncate_prompt_tokens
+    return prompt[-k:] if k is not None and len(prompt) > k else prompt
+
+
+async def token_rules(ctx: ServerContext, body: SamplingFields) -> dict:
+    """The token-id inputs of the sampler's rules: `bad_words` tokenized, EOS ids for `min_tokens`."""
+    return {"bad_words_ids": await ctx.tokens.bad_words_ids(body.bad_words) if body.bad_words else None,
+            "eos_token_ids": ctx.tokens.eos_ids() if body.min_tokens else None}
 
 
 @router.post("/v1/completions", responses=STREAMED_200)
@@ -32,18 +46,19 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
     ctx = ServerContext.of(request)
     engine = ctx.require_engine()
     ctx.limits.check_choices(len(body.prompt), body.n)
-    prompts = [await ctx.tokens.prompt_ids(p) for p in body.prompt]
+    prompts = [truncated(await ctx.tokens.prompt_ids(p), body) for p in body.prompt]
     prefixes = None
     if body.echo:
         prefixes = [p if isinstance(p, str) else await ctx.tokens.decode(p) for p in body.prompt]
     max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
     engine.check_fits([len(p) for p in prompts], max_tokens, body.n)
     params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs,
-                             prompt_logprobs=body.prompt_logprobs_k())
+                             prompt_logprobs=body.prompt_logprobs_k(), **await token_rules(ctx, body))
     run = GenerationRun(engine, new_id("cmpl"), prompts, params, metrics=ctx.metrics)
     fmt = Formatter(run, model=ctx.model_name, token_str=ctx.tokens.token_str, n=body.n,
                     want_logprobs=body.logprobs is not None, include_usage=body.include_usage(),
-                    prefixes=prefixes, vllm_prompt_logprobs=body.prompt_logprobs)
+                    prefixes=prefixes, vllm_prompt_logprobs=body.prompt_logprobs,
+                    include_stop_str=body.include_stop_str_in_output)
     return await serve(request, ctx, run, fmt, stream=body.stream)
 
 
@@ -52,17 +67,24 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     ctx = ServerContext.of(request)
     engine = ctx.require_engine()
     ctx.limits.check_choices(1, body.n)
+    template = getattr(ctx.tokens.tok, "chat_template", None)
     mode = body.tool_mode()
-    tools = None
-    if mode != "none":
-        if supports_tools(getattr(ctx.tokens.tok, "chat_template", None)):
-            tools = template_tools(body.tools)
-        elif mode == "auto":
-            raise APIError(400, "this model's chat template cannot render tools, so the model cannot choose to "
-                           "call one; send tool_choice 'required' or a named function (decoding is then "
-                           "constrained to a well-formed call), or no tools", param="tools")
-    prompt = await ctx.tokens.prompt_ids(None, body.messages, tools=tools,
-                                         add_generation_prompt=body.add_generation_prompt)
+    fmt = format_for(template)
+    kwargs = template_kwargs(template, body.chat_template_kwargs, body.reasoning_effort, body.thinking)
+    if mode == "auto" and not fmt.renders_tools and body.guided() is not None:
+        raise APIError(400, "this model's chat template cannot render tools, so tool_choice 'auto' answers in "
+                       "a constrained JSON (a call or a reply), which a response format/guided decoding would "
+                       "contradict; send one of them", param="tools")
+    if mode != "none" and not fmt.renders_tools:
+        dicts = generic_messages([m.as_template_dict() for m in body.messages], body.tools,
+                                 forced=mode != "auto")
+        prompt = await ctx.tokens.encode_chat(dicts, add_generation_prompt=body.add_generation_prompt,
+                                              template_kwargs=kwargs)
+    else:
+        tools = template_tools(body.tools) if mode != "none" else None
+        prompt = await ctx.tokens.prompt_ids(None, body.messages, tools=tools, template_kwargs=kwargs,
+                                             add_generation_prompt=body.add_generation_prompt)
+    prompt = truncated(prompt, body)
     max_tokens = body.max_new_tokens()
     if max_tokens is None:
         max_tokens = engine.max_tokens_left(len(prompt), body.n)
@@ -70,10 +92,16 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     guided = None
     if mode in ("required", "named") or (mode == "auto" and body.guided() is None):
         guided = call_grammar(body.tools, body.tool_name(), parallel=body.parallel_tool_calls,
-                              triggered=mode == "auto")
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, guided=guided)
+                              triggered=mode == "auto", fmt=fmt)
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, guided=guided,
+                             **await token_rules(ctx, body))
+    reasoning = speaks_think(template)
+    starts = reasoning and opens_thinking(await ctx.tokens.decode(prompt[-16:]))
+    setup = ToolSetup(fmt, tuple(body.tools), body.parallel_tool_calls, mode in ("required", "named")) \
+        if mode != "none" else False
     run = GenerationRun(engine, new_id("chatcmpl"), [prompt], params, metrics=ctx.metrics)
-    fmt = ChatFormatter(run, model=ctx.model_name, token_str=ctx.tokens.token_str, n=body.n,
-                        want_logprobs=body.logprobs, include_usage=body.include_usage(), tools=mode != "none",
-                        parallel_tool_calls=body.parallel_tool_calls)
-    return await serve(request, ctx, run, fmt, stream=body.stream)
+    out = ChatFormatter(run, model=ctx.model_name, token_str=ctx.tokens.token_str, n=body.n,
+                        want_logprobs=body.logprobs, include_usage=body.include_usage(), tools=setup,
+                        parallel_tool_calls=body.parallel_tool_calls, reasoning=reasoning, reasoning_starts=starts,
+                        include_stop_str=body.include_stop_str_in_output)
+    return await serve(request, ctx, run, out, stream=body.stream)

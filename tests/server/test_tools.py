@@ -9,7 +9,7 @@ import jsonschema
 import openai
 import pytest
 from http_support import LiveServer, sse_events
-from tool_support import MESSAGES, SCHEMAS, TIME, TOOLS
+from tool_support import MESSAGES, SCHEMAS, TIME, TOOLS, assemble, stream_chat
 
 from engine.loader.default import DEFAULT_MODEL_DIR
 from server.openai.tools import ToolCallStream, parse_tool_calls
@@ -48,7 +48,8 @@ def test_parse_whole_text_calls_and_content():
     assert content == "Let me check." and len(calls) == 1
     bad = "<tool_call>\n{not json}\n</tool_call>"
     assert parse_tool_calls(bad) == (bad, [])
-    assert parse_tool_calls("a <tool_call> never closed") == ("a <tool_call> never closed", [])
+    # a block cut short (max_tokens) is markup, never content
+    assert parse_tool_calls("a <tool_call> never closed") == ("a ", [])
 
 
 @pytest.mark.parametrize("step", [1, 2, 3, 7, 1000])
@@ -92,22 +93,34 @@ def test_named_function_and_parallel_tool_calls_false(client):
     assert len(single.choices[0].message.tool_calls) == 1 and single.choices[0].finish_reason == "tool_calls"
 
 
-def test_streamed_tool_calls_arrive_as_delta_tool_calls(srv):
+def test_streamed_tool_calls_arrive_as_argument_deltas(srv):
     body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "max_tokens": 100,
-            "parallel_tool_calls": False,
-            "temperature": 0, "stream": True}
-    with srv.client() as c, c.stream("POST", "/v1/chat/completions", json=body) as r:
-        events = sse_events(r.iter_lines())
-    deltas = [e["choices"][0] for e in events[:-1] if e["choices"]]
-    calls = [tc for d in deltas for tc in d["delta"].get("tool_calls") or []]
-    assert calls and [tc["index"] for tc in calls] == list(range(len(calls)))
+            "parallel_tool_calls": False, "temperature": 0}
+    deltas, _ = stream_chat(srv, body)
+    tool_deltas = [tc for d in deltas for tc in d["delta"].get("tool_calls") or []]
+    assert len(tool_deltas) > 2  # the header, then the arguments as they are generated
+    calls = assemble(tool_deltas)
     for tc in calls:
         jsonschema.validate(json.loads(tc["function"]["arguments"]), SCHEMAS[tc["function"]["name"]])
-    assert not "".join(d["delta"].get("content") or "" for d in deltas).strip()
-    assert deltas[-1]["finish_reason"] == "tool_calls" and events[-1] == "[DONE]"
+    assert not "".join(d["delta"].get("content") or "" for d in deltas)
+    assert deltas[-1]["finish_reason"] == "tool_calls"
     with srv.client() as c:
-        whole = c.post("/v1/chat/completions", json={**body, "stream": False}).json()["choices"][0]
+        whole = c.post("/v1/chat/completions", json=body).json()["choices"][0]
     assert [tc["function"] for tc in whole["message"]["tool_calls"]] == [tc["function"] for tc in calls]
+
+
+def test_parallel_calls_and_a_call_cut_by_max_tokens_leak_no_markup(srv):
+    for max_tokens in (100, 40, 25, 9):
+        body = {"messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "max_tokens": max_tokens,
+                "temperature": 0.9, "seed": 11}
+        deltas, _ = stream_chat(srv, body)
+        assert not "".join(d["delta"].get("content") or "" for d in deltas)
+        calls = assemble([tc for d in deltas for tc in d["delta"].get("tool_calls") or []])
+        with srv.client() as c:
+            whole = c.post("/v1/chat/completions", json=body).json()["choices"][0]
+        assert whole["message"]["content"] is None
+        assert [tc["function"] for tc in whole["message"]["tool_calls"]] == [tc["function"] for tc in calls]
+        assert deltas[-1]["finish_reason"] == whole["finish_reason"]
 
 
 def test_auto_without_a_call_is_plain_content_and_none_offers_nothing(client):
@@ -151,11 +164,24 @@ def test_bad_tool_requests_are_400s(srv, body, param):
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
 
 
-def test_template_without_tools_auto_is_400_but_required_is_constrained():
+def test_template_without_tools_speaks_the_generic_format():
+    """The bundled template cannot render tools: the tools go in a system message and the reply is a JSON
+    call or answer, so auto works too; required is a well-formed call."""
     with LiveServer(str(DEFAULT_MODEL_DIR), n_cells=2048) as server, server.client() as c:
-        r = c.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS, "max_tokens": 4})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
-        assert "cannot render tools" in r.json()["error"]["message"]
+        kinds = set()
+        for seed in range(4):
+            r = c.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS, "max_tokens": 60,
+                                                     "temperature": 1.0, "seed": seed})
+            assert r.status_code == 200, r.text
+            choice = r.json()["choices"][0]
+            msg = choice["message"]
+            assert "tool_call" not in (msg["content"] or "") and '{"response"' not in (msg["content"] or "")
+            if choice["finish_reason"] == "tool_calls":  # else a reply, or a call cut by max_tokens
+                assert msg["content"] is None and len(msg["tool_calls"]) == 1
+                tc = msg["tool_calls"][0]
+                jsonschema.validate(json.loads(tc["function"]["arguments"]), SCHEMAS[tc["function"]["name"]])
+            kinds.add(choice["finish_reason"])
+        assert kinds & {"tool_calls", "stop"}, kinds  # a whole call or a whole answer at least once
         out = c.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS, "max_tokens": 100,
                                                    "tool_choice": "required", "temperature": 0,
                                                    "parallel_tool_calls": False}).json()
@@ -163,6 +189,9 @@ def test_template_without_tools_auto_is_400_but_required_is_constrained():
         assert choice["finish_reason"] == "tool_calls"
         for tc in choice["message"]["tool_calls"]:
             jsonschema.validate(json.loads(tc["function"]["arguments"]), SCHEMAS[tc["function"]["name"]])
+        r = c.post("/v1/chat/completions", json={"messages": MESSAGES, "tools": TOOLS, "max_tokens": 4,
+                                                 "response_format": {"type": "json_object"}})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "tools"
 
 
 def test_n_choices_each_get_their_calls_whole_and_streamed(srv):
@@ -179,6 +208,6 @@ def test_n_choices_each_get_their_calls_whole_and_streamed(srv):
     for choice in whole:
         assert choice["finish_reason"] == "tool_calls"
         calls = choice["message"]["tool_calls"]
-        assert [c["function"] for c in calls] == [c["function"] for c in streamed[choice["index"]]]
+        assert [c["function"] for c in calls] == [c["function"] for c in assemble(streamed[choice["index"]])]
         assert calls[0]["function"]["name"] == "get_time"
         jsonschema.validate(json.loads(calls[0]["function"]["arguments"]), TIME)

@@ -15,11 +15,14 @@ from typing import TYPE_CHECKING, Union
 
 from fastapi import Depends, FastAPI
 
+from server.anthropic import routes as anthropic_routes
+from server.anthropic.errors import AnthropicErrors, require_key
 from server.errors import ERROR_RESPONSES, install_error_handlers, without_422
 from server.limits import Limits
 from server.middleware import BodySizeLimit, HeadAsGet, require_api_key
 from server.openai import routes as openai_routes
 from server.ops import routes as ops_routes
+from server.responses import routes as responses_routes
 from server.sequences import routes as sequence_routes
 from server.state import EngineFactory, ServerContext
 
@@ -55,11 +58,13 @@ def build_app(engine: Union["EngineClient", EngineFactory], *, served_model_name
     install_error_handlers(app)
     app.include_router(ops_routes.public, responses=ERROR_RESPONSES)
     guarded = [Depends(require_api_key)]
-    for router in (openai_routes.router, sequence_routes.router, ops_routes.router):
+    for router in (openai_routes.router, sequence_routes.router, ops_routes.router, responses_routes.router):
         app.include_router(router, dependencies=guarded, responses=ERROR_RESPONSES)
+    app.include_router(anthropic_routes.router, dependencies=[Depends(require_key)], responses=ERROR_RESPONSES)
     _document_errors_only_as_sent(app)
     app.add_middleware(HeadAsGet)
     app.add_middleware(BodySizeLimit, limits=ctx.limits)
+    app.add_middleware(AnthropicErrors)  # outermost: Anthropic's error shape on /v1/messages, 413 included
     return app
 
 

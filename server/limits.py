@@ -18,6 +18,7 @@ from server.errors import APIError
 DEFAULT_MAX_BODY_BYTES = 8 * 2**20
 DEFAULT_MAX_PROMPTS = 256
 DEFAULT_MAX_CHOICES = 1024
+DEFAULT_MAX_STORED_RESPONSES = 1024
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,9 @@ class Limits:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_prompts: int = DEFAULT_MAX_PROMPTS
     max_choices: int = DEFAULT_MAX_CHOICES
+    # /v1/responses with store: at most this many stored responses (each a prefix of a persistent
+    # sequence); storing one more forgets the least recently used (server.responses.store)
+    max_stored_responses: int = DEFAULT_MAX_STORED_RESPONSES
 
     def check_choices(self, n_prompts: int, n: int) -> None:
         if n_prompts > self.max_prompts:

@@ -1,0 +1,114 @@
+"""Anthropic's Messages API: `POST /v1/messages` (JSON or a stream) and `POST /v1/messages/count_tokens`.
+
+Each request renders its conversation with the chat template (tools too, when the template renders
+them) and runs as one generation: there is no server-side state, and an earlier conversation resent
+is found by the automatic prefix cache (`usage.cache_read_input_tokens`), so `cache_control` needs no
+work. Every limit of the chat route applies (body size, context and pool fit, queue, disconnect
+cancels); errors have Anthropic's shape (`server.anthropic.errors`).
+"""
+
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.api.ids import new_id
+from engine.api.sampling_params import GuidedDecoding, SamplingParams
+from server.anthropic.errors import anthropic_error
+from server.anthropic.protocol import CountTokensRequest, MessagesRequest
+from server.anthropic.shapes import MessageBuilder, usage
+from server.errors import APIError, as_api_error
+from server.openai.generation import GenerationRun
+from server.openai.sse import STREAMED_200
+from server.responses import driver
+from server.responses.driver import NamedEventStream, Output
+from server.responses.toolcalls import ToolPlan, split
+from server.state import ServerContext
+
+router = APIRouter()
+log = logging.getLogger("cellserve.server")
+
+
+async def _prompt(ctx: ServerContext, body: CountTokensRequest) -> tuple[list[int], ToolPlan]:
+    mode, name, parallel = body.tool_mode()
+    tools = ToolPlan([t.as_tool() for t in body.tools or ()], mode, name, parallel=parallel)
+    ids = await ctx.tokens.encode_chat(body.chat_messages(), tools=tools.template_tools(ctx.tokens))
+    return ids, tools
+
+
+def sampling(body: MessagesRequest, guided: dict | None) -> SamplingParams:
+    kwargs = {"max_tokens": body.max_tokens}
+    for name in ("temperature", "top_p", "top_k"):
+        if getattr(body, name) is not None:
+            kwargs[name] = getattr(body, name)
+    if body.stop_sequences:
+        kwargs["stop"] = body.stop_sequences
+    try:
+        if guided is not None:
+            kwargs["guided"] = GuidedDecoding(**guided)
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as exc:
+        param = getattr(exc, "param", None)
+        raise APIError(400, f"invalid sampling parameters: {exc}",
+                       param="stop_sequences" if param == "stop" else param) from exc
+
+
+@router.post("/v1/messages", responses=STREAMED_200)
+async def messages(body: MessagesRequest, request: Request) -> Response:
+    ctx = ServerContext.of(request)
+    engine = ctx.require_engine()
+    prompt, tools = await _prompt(ctx, body)
+    engine.check_fits([len(prompt)], body.max_tokens)
+    run = GenerationRun(engine, new_id("msg"), [prompt], sampling(body, tools.guided()), metrics=ctx.metrics)
+    gone = await driver.start(request, ctx, run)
+    if gone is not None:
+        return gone
+    builder = MessageBuilder(run.request_id, ctx.model_name)
+    headers = {"X-Request-Id": run.request_id, "request-id": run.request_id}
+    if body.stream:
+        return NamedEventStream(_stream(ctx, run, builder, tools, len(prompt)), headers=headers)
+    output = Output()
+    gone = await driver.collect(request, ctx, run, output)
+    if gone is not None:
+        return gone
+    if output.finish_reason == "error":
+        raise APIError(500, f"generation failed: {output.error or 'engine error'}", code="engine_error")
+    content, calls = split(tools.stream(), output.text, True)
+    use = usage(len(prompt), output.cached_tokens, output.n_tokens)
+    return JSONResponse(builder.final(output, content.strip() if calls else content, calls, use), headers=headers)
+
+
+async def _stream(ctx: ServerContext, run: GenerationRun, builder: MessageBuilder, tools: ToolPlan,
+                  prompt_tokens: int) -> AsyncIterator[tuple[str, dict]]:
+    output, parser, called = Output(), tools.stream(), False
+    try:
+        for event in builder.opening(usage(prompt_tokens, 0, 0)):
+            yield event
+        async with contextlib.aclosing(driver.outputs(ctx, run)) as outs:
+            async for out in outs:
+                text, calls = split(parser, output.add(out), output.finish_reason is not None)
+                called = called or bool(calls)
+                if output.finish_reason == "error":
+                    raise APIError(500, f"generation failed: {output.error or 'engine error'}", code="engine_error")
+                for event in builder.text_delta(text) + builder.calls(calls):
+                    yield event
+        for event in builder.closing(output, called, usage(prompt_tokens, output.cached_tokens, output.n_tokens)):
+            yield event
+    except Exception as exc:  # any failure reaches the client as an error event
+        err = as_api_error(exc)
+        if err.status >= 500:
+            log.exception("message stream %s failed", run.request_id)
+        yield "error", anthropic_error(err.status, err.message)
+    finally:
+        run.close()
+        ctx.unregister(run)
+
+
+@router.post("/v1/messages/count_tokens")
+async def count_tokens(body: CountTokensRequest, request: Request) -> dict:
+    ctx = ServerContext.of(request)
+    ctx.require_engine()
+    prompt, _ = await _prompt(ctx, body)
+    return {"input_tokens": len(prompt)}

@@ -1,0 +1,102 @@
+"""Anthropic's Messages shapes: the `message` object and its stream events, as plain dicts.
+
+Content is `text` blocks and `tool_use` blocks (the model's calls, split from its text by the chat
+routes' tool parser). Streamed, the events come in Anthropic's order: `message_start`, then per block
+`content_block_start`, `content_block_delta` (`text_delta`, or one `input_json_delta` holding a
+call's whole input), `content_block_stop`, then `message_delta` (stop_reason, stop_sequence, usage)
+and `message_stop`. stop_reason: `end_turn` (EOS), `stop_sequence` (with the one matched),
+`max_tokens`, `tool_use` (the reply ended after calling tools).
+"""
+
+import json
+
+from server.anthropic.protocol import arguments_json
+from server.responses.driver import Output
+
+
+def usage(prompt_tokens: int, cached: int, output_tokens: int) -> dict:
+    """Anthropic counts cache reads apart: input_tokens are the prompt tokens that were computed."""
+    return {"input_tokens": prompt_tokens - cached, "output_tokens": output_tokens,
+            "cache_creation_input_tokens": 0, "cache_read_input_tokens": cached}
+
+
+def stop_of(output: Output, called: bool) -> tuple[str, str | None]:
+    """(stop_reason, stop_sequence)."""
+    if output.finish_reason == "length":
+        return "max_tokens", None
+    if called:
+        return "tool_use", None
+    if isinstance(output.stop_reason, str):
+        return "stop_sequence", output.stop_reason
+    return "end_turn", None
+
+
+def tool_use(call: dict) -> dict:
+    args = call["function"]["arguments"]
+    try:
+        value = json.loads(args)
+    except ValueError:
+        value = {}
+    return {"type": "tool_use", "id": "toolu_" + call["id"].removeprefix("call_"), "name": call["function"]["name"],
+            "input": value if isinstance(value, dict) else {}}
+
+
+class MessageBuilder:
+    def __init__(self, mid: str, model: str):
+        self.mid, self.model = mid, model
+        self.blocks: list[dict] = []
+        self.text_open = False  # the last block is a text block still streaming
+
+    def message(self, content: list[dict], stop: tuple[str | None, str | None], use: dict) -> dict:
+        return {"id": self.mid, "type": "message", "role": "assistant", "model": self.model, "content": content,
+                "stop_reason": stop[0], "stop_sequence": stop[1], "usage": use}
+
+    def final(self, output: Output, content: str, calls: list[dict], use: dict) -> dict:
+        blocks = [{"type": "text", "text": content}] if content or not calls else []
+        blocks += [tool_use(c) for c in calls]
+        return self.message(blocks, stop_of(output, bool(calls)), use)
+
+    # --- stream events
+    def opening(self, use: dict) -> list[tuple[str, dict]]:
+        return [("message_start", {"type": "message_start", "message": self.message([], (None, None), use)})]
+
+    def text_delta(self, text: str) -> list[tuple[str, dict]]:
+        if not text:
+            return []
+        events = []
+        if not self.text_open:
+            events.append(self._start({"type": "text", "text": ""}))
+            self.text_open = True
+        events.append(("content_block_delta", {"type": "content_block_delta", "index": len(self.blocks) - 1,
+                                               "delta": {"type": "text_delta", "text": text}}))
+        return events
+
+    def calls(self, calls: list[dict]) -> list[tuple[str, dict]]:
+        events = self._stop_text() if calls else []
+        for call in calls:
+            block = tool_use(call)
+            events.append(self._start({**block, "input": {}}))
+            index = len(self.blocks) - 1
+            events += [("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                "delta": {"type": "input_json_delta",
+                                                          "partial_json": arguments_json(call)}}),
+                       ("content_block_stop", {"type": "content_block_stop", "index": index})]
+        return events
+
+    def closing(self, output: Output, called: bool, use: dict) -> list[tuple[str, dict]]:
+        events = self._stop_text()
+        stop_reason, stop_sequence = stop_of(output, called)
+        return events + [("message_delta", {"type": "message_delta", "usage": use,
+                                            "delta": {"stop_reason": stop_reason, "stop_sequence": stop_sequence}}),
+                         ("message_stop", {"type": "message_stop"})]
+
+    def _start(self, block: dict) -> tuple[str, dict]:
+        self.blocks.append(block)
+        return "content_block_start", {"type": "content_block_start", "index": len(self.blocks) - 1,
+                                       "content_block": block}
+
+    def _stop_text(self) -> list[tuple[str, dict]]:
+        if not self.text_open:
+            return []
+        self.text_open = False
+        return [("content_block_stop", {"type": "content_block_stop", "index": len(self.blocks) - 1})]

@@ -1,0 +1,183 @@
+"""OpenAI's Responses API on persistent sequences: `POST /v1/responses`, `GET /v1/responses/{id}`,
+`DELETE /v1/responses/{id}`.
+
+A stored response (`store`, the default) is a prefix of a persistent sequence (`server.responses.store`):
+`previous_response_id` appends only the new turn to it, or forks it when that response was already
+continued (`server.responses.turns`). Every limit of the chat route applies: the body size, the
+context and pool fit (400 `context_length_exceeded` before any sequence is made), the queue (429),
+and a client that leaves cancels the generation (and what the turn made is undone).
+"""
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator
+
+from fastapi import APIRouter, Request
+from fastapi.responses import JSONResponse, Response
+
+from engine.api.errors import EngineError, SequenceNotFound
+from engine.api.ids import new_id
+from engine.api.sampling_params import GuidedDecoding, SamplingParams
+from server.errors import APIError, as_api_error
+from server.openai.generation import ClientGone, GenerationRun
+from server.openai.sse import STREAMED_200
+from server.responses import driver
+from server.responses.driver import NamedEventStream, Output
+from server.responses.protocol import ResponsesRequest
+from server.responses.shapes import ResponseBuilder, usage
+from server.responses.store import ResponseStore, Stored
+from server.responses.toolcalls import ToolPlan, split
+from server.responses.turns import Turn, plan, settle
+from server.state import ServerContext
+
+router = APIRouter()
+log = logging.getLogger("cellserve.server")
+
+
+def store_of(request: Request) -> ResponseStore:
+    state = request.app.state
+    store = getattr(state, "response_store", None)
+    if store is None:
+        store = state.response_store = ResponseStore(ServerContext.of(request).limits.max_stored_responses)
+    return store
+
+
+def sampling(body: ResponsesRequest, max_tokens: int, guided: dict | None) -> SamplingParams:
+    kwargs = {"max_tokens": max_tokens}
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        if getattr(body, name) is not None:
+            kwargs[name] = getattr(body, name)
+    try:
+        if guided is not None:
+            kwargs["guided"] = GuidedDecoding(**guided)
+        return SamplingParams(**kwargs)
+    except (ValueError, TypeError) as exc:
+        raise APIError(400, f"invalid sampling parameters: {exc}", param=getattr(exc, "param", None)) from exc
+
+
+@router.post("/v1/responses", responses=STREAMED_200)
+async def create_response(body: ResponsesRequest, request: Request) -> Response:
+    ctx = ServerContext.of(request)
+    engine = ctx.require_engine()
+    store = store_of(request)
+    prev = store.get(body.previous_response_id, param="previous_response_id") if body.previous_response_id else None
+    mode, name = body.tool_mode()
+    tools = ToolPlan([t.as_tool() for t in body.tools or ()], mode, name, parallel=body.parallel_tool_calls)
+    template_tools = tools.template_tools(ctx.tokens)
+    guided = tools.guided(body.guided())
+    try:
+        turn, max_tokens = await plan(request, ctx, store, inputs=body.messages(), instructions=body.instructions,
+                                      tools=template_tools, prev=prev, keep=body.store,
+                                      max_tokens=body.max_output_tokens)
+    except ClientGone:
+        return Response(status_code=driver.GONE)
+    rid = new_id("resp")
+    try:
+        run = GenerationRun(engine, rid, [turn.append], sampling(body, max_tokens, guided), seq_id=turn.seq_id,
+                            metrics=ctx.metrics)
+        gone = await driver.start(request, ctx, run)
+    except BaseException:
+        await settle(ctx, store, turn, None)
+        raise
+    if gone is not None:
+        await settle(ctx, store, turn, None)
+        return gone
+    builder = ResponseBuilder(rid, body, model=ctx.model_name, max_output_tokens=max_tokens)
+    headers = {"X-Request-Id": rid}
+    if body.stream:
+        return NamedEventStream(_stream(ctx, store, run, turn, builder, tools, body.store), headers=headers)
+    output = Output()
+    try:
+        gone = await driver.collect(request, ctx, run, output)
+    except BaseException:
+        await settle(ctx, store, turn, None)
+        raise
+    if gone is not None:
+        await settle(ctx, store, turn, None)
+        return gone
+    content, calls = split(tools.stream(), output.text, True)
+    use = usage(turn.input_tokens, turn.cached_tokens(output.cached_tokens), output.n_tokens)
+    answer = builder.final(output, content.strip() if calls else content, calls, use)
+    await settle(ctx, store, turn, _record(ctx, turn, rid, output, content, calls, answer, body.store))
+    if output.finish_reason == "error":
+        raise APIError(500, f"generation failed: {output.error or 'engine error'}", code="engine_error")
+    return JSONResponse(answer, headers=headers)
+
+
+async def _stream(ctx: ServerContext, store: ResponseStore, run: GenerationRun, turn: Turn,
+                  builder: ResponseBuilder, tools: ToolPlan, keep: bool) -> AsyncIterator[tuple[str, dict]]:
+    output, parser = Output(), tools.stream()
+    shown, calls = "", []
+    record = None
+    try:
+        for event in builder.opening():
+            yield event
+        async with contextlib.aclosing(driver.outputs(ctx, run)) as outs:
+            async for out in outs:
+                text, new_calls = split(parser, output.add(out), output.finish_reason is not None)
+                shown += text
+                calls += new_calls
+                for event in builder.text_delta(text) + builder.calls(new_calls):
+                    yield event
+        use = usage(turn.input_tokens, turn.cached_tokens(output.cached_tokens), output.n_tokens)
+        events = builder.closing(output, use)
+        record = _record(ctx, turn, run.request_id, output, shown, calls, events[-1][1]["response"], keep)
+        for event in events:
+            yield event
+    except Exception as exc:  # any failure reaches the client as an error event
+        err = as_api_error(exc)
+        if err.status >= 500:
+            log.exception("response stream %s failed", run.request_id)
+        yield builder.event("error", code=err.code, message=err.message, param=err.param)
+    finally:
+        run.close()
+        ctx.unregister(run)
+        # settled off the stream's task: a dropped client cancels this generator, not the clean-up
+        task = asyncio.ensure_future(settle(ctx, store, turn, record))
+        _pending.add(task)
+        task.add_done_callback(_pending.discard)
+
+
+_pending: set[asyncio.Task] = set()  # clean-ups of streams whose clients left (kept referenced until done)
+
+
+def _record(ctx: ServerContext, turn: Turn, rid: str, output: Output, content: str, calls: list[dict],
+            answer: dict, keep: bool) -> Stored | None:
+    """What is stored of a turn that ended well (stop or length), if it is to be kept."""
+    if not keep or turn.seq_id is None or output.finish_reason not in ("stop", "length"):
+        return None
+    reply = {"role": "assistant", "content": content}
+    if calls:
+        reply["tool_calls"] = calls
+    end = ctx.tokens.token_str(output.last_token) if output.ended_on_stop_token else None
+    return Stored(rid, turn.seq_id, turn.input_tokens + output.n_tokens, turn.prev, turn.instructions, turn.tools,
+                  turn.inputs, reply, end, answer)
+
+
+async def _live(ctx: ServerContext, store: ResponseStore, response_id: str) -> Stored:
+    """A stored response whose sequence still exists (else it is forgotten: 404)."""
+    rec = store.get(response_id)
+    try:
+        await ctx.require_engine().sequence_info(rec.seq_id)
+    except SequenceNotFound:
+        store.forget_sequence(rec.seq_id)
+        store.get(response_id)  # raises the 404
+    return rec
+
+
+@router.get("/v1/responses/{response_id}")
+async def get_response(response_id: str, request: Request) -> dict:
+    ctx = ServerContext.of(request)
+    return (await _live(ctx, store_of(request), response_id)).body
+
+
+@router.delete("/v1/responses/{response_id}")
+async def delete_response(response_id: str, request: Request) -> dict:
+    ctx = ServerContext.of(request)
+    ctx.require_engine()
+    seq_id = store_of(request).remove(response_id)
+    if seq_id is not None:
+        with contextlib.suppress(EngineError):
+            await ctx.engine.delete(seq_id)
+    return {"id": response_id, "object": "response", "deleted": True}

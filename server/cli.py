@@ -68,6 +68,11 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--served-model-name", default=None, help="model id reported by the API")
     p.add_argument("--seq-ttl", type=float, default=ENGINE.seq_ttl_s, help="seconds before an idle sequence expires")
     p.add_argument("--shutdown-grace", type=float, default=30.0, help="seconds in-flight requests get on SIGTERM")
+    p.add_argument("--speculative", default=ENGINE.speculative, choices=["auto", "ngram", "off"],
+                   help="speculative decoding with drafts from each sequence's own history and its siblings' "
+                        "(output unchanged): auto drafts while at most 4 sequences decode, ngram always, off never")
+    p.add_argument("--num-speculative-tokens", type=_positive_int, default=ENGINE.num_speculative_tokens,
+                   help="the longest draft a sequence carries into one step (1-16)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="turn automatic prefix sharing off (finished requests free their cells at once)")
     p.add_argument("--max-body-bytes", type=parse_size, default=DEFAULT_MAX_BODY_BYTES,

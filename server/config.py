@@ -31,7 +31,8 @@ def engine_args_of(args: argparse.Namespace) -> EngineArgs:
     return EngineArgs(model=args.model, dtype=args.dtype, n_cells=args.n_cells, kv_memory_bytes=args.kv_memory,
                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       max_queue=args.max_queue, seq_ttl_s=args.seq_ttl, threads=args.threads,
-                      attention=args.attention, prefix_caching=not args.no_prefix_cache)
+                      attention=args.attention, prefix_caching=not args.no_prefix_cache,
+                      speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
 
 
 def engine_factory(args: argparse.Namespace) -> Callable[[], object]:

@@ -8,6 +8,8 @@ and the native forward runs the same math in eager torch ops instead: the kernel
 never a requirement.
 """
 
+import contextlib
+import fcntl
 import functools
 import hashlib
 import logging
@@ -56,19 +58,39 @@ def _build() -> str | None:
         return "ninja is not installed (pip install ninja)"
     if shutil.which(os.environ.get("CXX", "c++")) is None:
         return "no C++ compiler (c++) on PATH"
-    # -march=native: a build belongs to this CPU's instruction set as much as to the source and torch
-    tag = f"{torch.__version__} {_cpu_flags()} {_CFLAGS}"
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + tag.encode()).hexdigest()[:16]
-    build_dir = Path(os.environ.get("CELLSERVE_KERNEL_CACHE", Path.home() / ".cache" / "cellserve" / "kernels")) / key
+    build_dir = build_directory()
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        cpp_extension.load(
-            name="cellserve_kernels", sources=[str(s) for s in SOURCES], build_directory=str(build_dir),
-            extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
+        with _build_lock(build_dir):
+            cpp_extension.load(
+                name="cellserve_kernels", sources=[str(s) for s in SOURCES], build_directory=str(build_dir),
+                extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
     except (RuntimeError, OSError, ImportError) as e:  # a failed compile must never take the server down: fall back
         lines = str(e).strip().splitlines() or [type(e).__name__]
         return "build failed: " + next((line for line in lines if "error" in line), lines[-1])
     return None
+
+
+def build_directory() -> Path:
+    """Where this source, torch and CPU's build lives (-march=native: a build belongs to the CPU's
+    instruction set as much as to the source and torch)."""
+    tag = f"{torch.__version__} {_cpu_flags()} {_CFLAGS}"
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + tag.encode()).hexdigest()[:16]
+    return Path(os.environ.get("CELLSERVE_KERNEL_CACHE", Path.home() / ".cache" / "cellserve" / "kernels")) / key
+
+
+@contextlib.contextmanager
+def _build_lock(build_dir: Path):
+    """One build per directory at a time, by an flock the kernel drops when its holder dies. torch's own
+    lock is a file that a killed build leaves behind, and every later start would then wait on it
+    forever; whoever holds the flock is the only one building, so such a file is stale and goes."""
+    with open(build_dir / "cellserve.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            (build_dir / "lock").unlink(missing_ok=True)  # torch's FileBaton, left by a killed build
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _cpu_flags() -> str:

@@ -135,6 +135,22 @@ def test_small_linear_refuses_bad_inputs_with_a_reason():
         small(x, [w], torch.randn(3), None, "none")
 
 
+def test_a_build_killed_midway_does_not_block_the_next(tmp_path):
+    """torch's build lock is a file; a build killed mid-compile leaves it, and the next start must not
+    wait on it forever (it falls through to the compile, which here fails fast: a broken source)."""
+    broken = tmp_path / "broken.cpp"
+    broken.write_text("this is not C++\n")
+    code = (
+        "import sys; from pathlib import Path; from engine.model.kernels import build as kernels\n"
+        "kernels.SOURCES = (Path(sys.argv[1]),)\n"
+        "d = kernels.build_directory(); d.mkdir(parents=True); (d / 'lock').touch()\n"
+        "print(kernels.load(), kernels.why_not())\n"
+    )
+    got = subprocess.run([sys.executable, "-c", code, str(broken)], capture_output=True, text=True, check=False,
+                         env={**os.environ, "CELLSERVE_KERNEL_CACHE": str(tmp_path / "cache")}, timeout=120)
+    assert got.stdout.startswith("False build failed"), (got.stdout, got.stderr)
+
+
 def test_without_kernels_the_native_forward_falls_back(tmp_path):
     """CELLSERVE_KERNELS=0, or a source that does not compile, leaves load() False with the reason."""
     broken = tmp_path / "broken.cpp"

@@ -19,6 +19,7 @@ from pydantic import Field, field_validator, model_validator
 
 from engine.api.sampling_params import MAX_TEMPERATURE
 from server.openai.constraints import Tool
+from server.responses.protocol import TOOL_NAME
 from server.responses.toolcalls import template_call
 from server.schema import ParamError, StrictModel
 
@@ -80,7 +81,7 @@ class Message(StrictModel):
 
 
 class AnthropicTool(StrictModel):
-    name: str
+    name: str = Field(min_length=1, max_length=64, pattern=TOOL_NAME)
     description: str | None = None
     input_schema: dict[str, Any]
     type: Literal["custom"] | None = None

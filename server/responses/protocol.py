@@ -25,6 +25,7 @@ REFUSED: dict[str, tuple] = {
     "background": (False,), "conversation": (), "prompt": (), "reasoning": ({},), "top_logprobs": (0,),
     "truncation": ("disabled",), "include": ([],), "max_tool_calls": (), "stream_options": (),
 }
+TOOL_NAME = r"^[A-Za-z0-9_.\-]+$"  # as the chat route's (server.openai.constraints.FunctionDef)
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
 
 
@@ -81,7 +82,7 @@ class FunctionTool(StrictModel):
     """A Responses function tool (flat: `{"type": "function", "name", "parameters", ...}`)."""
 
     type: Literal["function"]
-    name: str
+    name: str = Field(min_length=1, max_length=64, pattern=TOOL_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None

@@ -57,6 +57,8 @@ class Sequence:
     shares_prefix: bool = True
     draft: list[int] = field(default_factory=list)  # guessed next tokens for this tick (speculative), not yet truth
     draft_len: int = 0  # how many tokens its next draft may hold (0: the engine's maximum); adapts to acceptance
+    draft_pause: int = 0  # ticks to go without drafting ("auto" backs off after drafts wholly rejected)
+    draft_misses: int = 0  # wholly rejected drafts in a row
 
     @property
     def pending(self) -> int:

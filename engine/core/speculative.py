@@ -11,7 +11,9 @@ have produced anyway plus the token its first mismatch (or the draft's end) yiel
 of the rejected positions with `seq_rm`.
 
 Guarantees:
-- output is token for token the output without speculation, greedy or seeded: row i is sampled with
+- output is token for token the output without speculation, greedy or seeded, wherever the model's
+  logits for a token do not depend on how many rows share its step (float32; in bf16 the multi-row
+  kernels round differently from the one-row one, as batching does): row i is sampled with
   exactly the history (outputs + accepted draft tokens) it would have had, penalties included, and with
   the random draws the i-th next token would have used (the row's generator is rewound after the
   verification and replayed over the kept rows only); a draft token is kept only if it equals the token
@@ -39,6 +41,9 @@ NGRAM_MIN = 1
 # "auto" drafts only while at most this many sequences decode: there one step streams every weight once
 # for few rows, so drafted rows ride almost free; with more, a step is compute-bound and drafts cost.
 AUTO_MAX_DECODING = 4
+# "auto" also backs off a sequence whose drafts keep missing (text with little to copy): after each wholly
+# rejected draft it decodes alone for 2, 4, 8 ... up to this many ticks (one row is the fastest step).
+AUTO_MAX_PAUSE = 64
 
 
 def lookup_draft(history: list[int], sources: list[list[int]], k: int) -> list[int]:
@@ -79,6 +84,10 @@ class SpeculativeDecoder:
         running = self.scheduler.running
         quiet = self.always or len(running) <= AUTO_MAX_DECODING
         for seq in running:
+            if seq.draft_pause > 0 and not self.always:
+                seq.draft_pause -= 1
+                seq.draft = []
+                continue
             seq.draft = self._draft_for(seq) if quiet and self._eligible(seq) else []
 
     def _eligible(self, seq: Sequence) -> bool:
@@ -120,6 +129,8 @@ class SpeculativeDecoder:
             req.rejected_draft_tokens += len(c.draft) - drafts_kept
             # adapt: a draft kept whole may grow by one next time; else it shrinks to what was kept, plus one
             seq.draft_len = min(self.k, len(c.draft) + 1) if drafts_kept == len(c.draft) else drafts_kept + 1
+            seq.draft_misses = 0 if drafts_kept else seq.draft_misses + 1
+            seq.draft_pause = min(AUTO_MAX_PAUSE, 2 ** seq.draft_misses) if seq.draft_misses else 0
             self._trim(seq, start + drafts_kept)
             seq.draft = []
         return appended

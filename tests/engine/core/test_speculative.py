@@ -110,3 +110,16 @@ def test_seeded_and_n_choice_output_is_the_same_with_and_without_drafts(model, p
     spec = _run(engine, prompts, params)
     assert [o.tokens for o in spec] == [o.tokens for o in plain]
     assert engine.speculative.drafted > 0
+
+
+def test_auto_backs_off_a_sequence_whose_drafts_miss(model):
+    """On text with little to copy, "auto" pauses drafting after wholly rejected drafts (one row is the
+    fastest step); "ngram" keeps drafting. Both give the output without drafts."""
+    prompts = [prompt(5, 3) * 4, prompt(9, 4) * 2]
+    plain = _run(make_engine(model=model, speculative="off"), prompts, greedy(60))
+    drafted = {}
+    for mode in ("auto", "ngram"):
+        engine = make_engine(model=model, speculative=mode)
+        assert [o.tokens for o in _run(engine, prompts, greedy(60))] == [o.tokens for o in plain]
+        drafted[mode] = engine.speculative.drafted
+    assert 0 < drafted["auto"] < drafted["ngram"]

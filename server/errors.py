@@ -37,8 +37,11 @@ ERROR_TYPES = {
     405: "invalid_request_error",
     409: "conflict_error",
     413: "invalid_request_error",
+    414: "invalid_request_error",
+    431: "invalid_request_error",
     429: "rate_limit_error",
     500: "server_error",
+    501: "invalid_request_error",  # an HTTP method the server does not know (server.http_edge)
     503: "unavailable_error",
 }
 RETRY_AFTER_S = 1

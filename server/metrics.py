@@ -7,12 +7,14 @@ Guarantees:
 - TTFT and end-to-end latency come from the engine's own `Timing` (queued -> first token ->
   finished); inter-token latency is the gap between consecutive token-bearing outputs of one engine
   request as the server receives them. Names follow vLLM's (`cellserve:` prefix instead of `vllm:`).
+- The process itself: prometheus_client's standard `process_resident_memory_bytes`,
+  `process_open_fds`, `process_cpu_seconds_total`, ... (read from /proc at scrape time).
 """
 
 import time
 from collections.abc import Callable, Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessCollector, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -78,6 +80,8 @@ class ServerMetrics:
                               "Requests answered with an error, by HTTP status (/health probes excluded).",
                               ["status"], registry=reg)
         reg.register(EngineCollector(stats))
+        # process_resident_memory_bytes, open fds, CPU seconds, start time (Linux /proc; nothing elsewhere)
+        ProcessCollector(registry=reg)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -39,7 +39,9 @@ class HeadAsGet:
 
 
 class BodySizeLimit:
-    """ASGI middleware: refuse request bodies over `limits.max_body_bytes` with 413, unread."""
+    """ASGI middleware: refuse request bodies over `limits.max_body_bytes` with 413, unread, and close the
+    connection (`Connection: close`); the HTTP edge then reads and drops what the client still sends for
+    a bounded time so the client reads the 413 (`server.http_edge`, lingering close)."""
 
     def __init__(self, app: ASGIApp, limits: Limits):
         self.app = app
@@ -64,7 +66,12 @@ class BodySizeLimit:
                     raise HTTPException(413, self.limits.body_too_large())
             return message
 
-        await self.app(scope, counted, send)
+        async def closing(message: Message) -> None:  # past the limit: the rest of the body is not wanted
+            if message["type"] == "http.response.start" and received > self.limits.max_body_bytes:
+                message = {**message, "headers": [*message.get("headers", []), (b"connection", b"close")]}
+            await send(message)
+
+        await self.app(scope, counted, closing)
 
 
 def _content_length(scope: Scope) -> int | None:

@@ -16,6 +16,7 @@ import uvicorn
 from engine.core.async_engine import AsyncEngine
 from server.app import build_app
 from server.config import KEEP_ALIVE_S
+from server.http_edge import uvicorn_options
 
 MODEL_NAME = "tiny-llama"
 API_KEY = "sk-test-key"
@@ -59,7 +60,7 @@ class LiveServer:
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(self.app, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S,
-                                timeout_graceful_shutdown=int(grace_s) + 1)
+                                timeout_graceful_shutdown=int(grace_s) + 1, **uvicorn_options(self.ctx.limits))
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

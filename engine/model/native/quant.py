@@ -4,7 +4,7 @@ A `QuantWeight` (engine/loader/gguf_tensors.py: Q8_0, Q4_0, Q4_1 in 32-weight bl
 0.625 bytes per weight; Q4_K, Q5_K, Q6_K in 256-weight super-blocks, 0.578 / 0.703 / 0.820) is the only
 copy of a linear's weight. `QuantLinear` has `Linear`'s interface
 (call, `silu`, `times`, `plus`, `is_small`, `small`) plus `swiglu` for a [gate; up] weight:
-- 1 to 4 rows (decode), with the fused kernels built: `torch.ops.cellserve.quant_linear`
+- 1 to 8 rows (decode, batched decode), with the fused kernels built: `torch.ops.cellserve.quant_linear`
   (engine/model/kernels/csrc/quant_linear.cpp): the rows quantized per 32-block to int8 and dotted with
   the weight blocks in integers (AVX-512 VNNI; plain C without it), each block read once for all rows,
   bias, residual add and SiLU*up fused. Error against dequantize-then-`F.linear`: the activations'
@@ -27,7 +27,7 @@ from engine.loader.gguf_tensors import KIND_IDS, QuantWeight
 from engine.model.native.linear import Linear
 
 TILE_BYTES = 8 << 20  # float32 bytes of weight unpacked at once on the many-row path
-MAX_SMALL_ROWS = 4  # rows the one-pass integer kernel takes
+MAX_SMALL_ROWS = 8  # rows the one-pass integer kernel takes
 
 
 def _kernels() -> bool:
@@ -50,7 +50,7 @@ class QuantLinear:
         return self.weight.nbytes + (0 if self.bias is None else self.bias.numel() * 4)
 
     def is_small(self, x: torch.Tensor) -> bool:
-        """Whether this call runs the integer kernel (1 to 4 rows, kernels built with VNNI)."""
+        """Whether this call runs the integer kernel (1 to 8 rows, kernels built with VNNI)."""
         return self.small and x.shape[0] <= MAX_SMALL_ROWS and _kernels() and torch.ops.cellserve.quant_linear_fast()
 
     def _small(self, x, other, op) -> torch.Tensor:

@@ -18,7 +18,7 @@
 // with z = 128 (q8_0), 8 (q4_0), 32 (q6_k), else 0; dv = d (32-weight kinds), d * sc_j (q4_k, q5_k),
 // d * sc_g (q6_k); mv = m (q4_1), -dmin * mn_j (q4_k, q5_k), else 0.
 //
-// quant_linear (1 to 4 rows, decode): each row of x is quantized per 32-block to int8 (amax / 127
+// quant_linear (1 to 8 rows: decode, batched decode): each row of x is quantized per 32-block to int8 (amax / 127
 // scale, round half away from zero, as llama.cpp's q8_0/q8_K activations), each weight pair is dotted
 // with it in integers (AVX-512 VNNI `vpdpbusd`: unsigned weight bytes x signed activation bytes, 4
 // products per int32 lane), and per lane
@@ -47,7 +47,7 @@
 
 namespace {
 
-constexpr int64_t kMaxRows = 4;
+constexpr int64_t kMaxRows = 8;
 enum Kind : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5 };
 
 inline int zero_point(int64_t kind) {
@@ -353,7 +353,11 @@ void run_kind(const Weight& w, const std::vector<Activation>& act, const float* 
     case 1: run_rows<KIND, 1>(w, act, bias, other, y, n_out, swiglu); break;
     case 2: run_rows<KIND, 2>(w, act, bias, other, y, n_out, swiglu); break;
     case 3: run_rows<KIND, 3>(w, act, bias, other, y, n_out, swiglu); break;
-    default: run_rows<KIND, 4>(w, act, bias, other, y, n_out, swiglu); break;
+    case 4: run_rows<KIND, 4>(w, act, bias, other, y, n_out, swiglu); break;
+    case 5: run_rows<KIND, 5>(w, act, bias, other, y, n_out, swiglu); break;
+    case 6: run_rows<KIND, 6>(w, act, bias, other, y, n_out, swiglu); break;
+    case 7: run_rows<KIND, 7>(w, act, bias, other, y, n_out, swiglu); break;
+    default: run_rows<KIND, 8>(w, act, bias, other, y, n_out, swiglu); break;
   }
 }
 
@@ -364,7 +368,7 @@ at::Tensor quant_linear(const at::Tensor& x, at::TensorList wl, int64_t kind, co
   const Weight w = weight_of(wl, kind);
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(0) >= 1 &&
                   x.size(0) <= kMaxRows && x.size(1) == w.k,
-              "quant_linear: x must be contiguous float32 [rows <= 4, K]");
+              "quant_linear: x must be contiguous float32 [rows <= 8, K]");
   const bool swiglu = op == "swiglu";
   TORCH_CHECK(!swiglu || w.n % 2 == 0, "quant_linear: swiglu needs [gate; up] rows");
   const int64_t n_out = swiglu ? w.n / 2 : w.n;

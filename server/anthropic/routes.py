@@ -1,9 +1,9 @@
 """Anthropic's Messages API: `POST /v1/messages` (JSON or a stream) and `POST /v1/messages/count_tokens`.
 
-Each request renders its conversation with the chat template (tools too, when the template renders
-them) and runs as one generation: there is no server-side state, and an earlier conversation resent
-is found by the automatic prefix cache (`usage.cache_read_input_tokens`), so `cache_control` needs no
-work. Every limit of the chat route applies (body size, context and pool fit, queue, disconnect
+Each request renders its conversation with the chat template (tools in the template's own tool-call
+format, or in the generic JSON format when it cannot render them: `server.responses.toolcalls`) and
+runs as one generation: there is no server-side state, and an earlier conversation resent is found by
+the automatic prefix cache (`usage.cache_read_input_tokens`), so `cache_control` needs no work. Every limit of the chat route applies (body size, context and pool fit, queue, disconnect
 cancels); errors have Anthropic's shape (`server.anthropic.errors`).
 """
 
@@ -24,7 +24,7 @@ from server.openai.generation import GenerationRun
 from server.openai.sse import STREAMED_200
 from server.responses import driver
 from server.responses.driver import NamedEventStream, Output
-from server.responses.toolcalls import ToolPlan, split
+from server.responses.toolcalls import ToolPlan, chat_template_of, prompt_args
 from server.state import ServerContext
 
 router = APIRouter()
@@ -33,8 +33,10 @@ log = logging.getLogger("cellserve.server")
 
 async def _prompt(ctx: ServerContext, body: CountTokensRequest) -> tuple[list[int], ToolPlan]:
     mode, name, parallel = body.tool_mode()
-    tools = ToolPlan([t.as_tool() for t in body.tools or ()], mode, name, parallel=parallel)
-    ids = await ctx.tokens.encode_chat(body.chat_messages(), tools=tools.template_tools(ctx.tokens))
+    tools = ToolPlan([t.as_tool() for t in body.tools or ()], mode, name, parallel=parallel,
+                     chat_template=chat_template_of(ctx.tokens))
+    messages, template_tools = prompt_args(tools.prompting(), body.chat_messages())
+    ids = await ctx.tokens.encode_chat(messages, tools=template_tools)
     return ids, tools
 
 
@@ -75,26 +77,25 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
         return gone
     if output.finish_reason == "error":
         raise APIError(500, f"generation failed: {output.error or 'engine error'}", code="engine_error")
-    content, calls = split(tools.stream(), output.text, True)
+    content, calls = tools.parse(output.text)
     use = usage(len(prompt), output.cached_tokens, output.n_tokens)
-    return JSONResponse(builder.final(output, content.strip() if calls else content, calls, use), headers=headers)
+    return JSONResponse(builder.final(output, content, calls, use), headers=headers)
 
 
 async def _stream(ctx: ServerContext, run: GenerationRun, builder: MessageBuilder, tools: ToolPlan,
                   prompt_tokens: int) -> AsyncIterator[tuple[str, dict]]:
-    output, parser, called = Output(), tools.stream(), False
+    output, parser = Output(), tools.stream()
     try:
         for event in builder.opening(usage(prompt_tokens, 0, 0)):
             yield event
         async with contextlib.aclosing(driver.outputs(ctx, run)) as outs:
             async for out in outs:
-                text, calls = split(parser, output.add(out), output.finish_reason is not None)
-                called = called or bool(calls)
+                events = parser.feed(output.add(out), output.finish_reason is not None)
                 if output.finish_reason == "error":
                     raise APIError(500, f"generation failed: {output.error or 'engine error'}", code="engine_error")
-                for event in builder.text_delta(text) + builder.calls(calls):
+                for event in builder.streamed(events):
                     yield event
-        for event in builder.closing(output, called, usage(prompt_tokens, output.cached_tokens, output.n_tokens)):
+        for event in builder.closing(output, parser.called, usage(prompt_tokens, output.cached_tokens, output.n_tokens)):
             yield event
     except Exception as exc:  # any failure reaches the client as an error event
         err = as_api_error(exc)

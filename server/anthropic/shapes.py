@@ -2,15 +2,14 @@
 
 Content is `text` blocks and `tool_use` blocks (the model's calls, split from its text by the chat
 routes' tool parser). Streamed, the events come in Anthropic's order: `message_start`, then per block
-`content_block_start`, `content_block_delta` (`text_delta`, or one `input_json_delta` holding a
-call's whole input), `content_block_stop`, then `message_delta` (stop_reason, stop_sequence, usage)
+`content_block_start`, `content_block_delta` (`text_delta`, or `input_json_delta`s: a call's input as it
+is generated), `content_block_stop`, then `message_delta` (stop_reason, stop_sequence, usage)
 and `message_stop`. stop_reason: `end_turn` (EOS), `stop_sequence` (with the one matched),
 `max_tokens`, `tool_use` (the reply ended after calling tools).
 """
 
 import json
 
-from server.anthropic.protocol import arguments_json
 from server.responses.driver import Output
 
 
@@ -46,6 +45,7 @@ class MessageBuilder:
         self.mid, self.model = mid, model
         self.blocks: list[dict] = []
         self.text_open = False  # the last block is a text block still streaming
+        self.open_tools: dict[int, tuple[str, int]] = {}  # streaming: call index -> (call id, block index)
 
     def message(self, content: list[dict], stop: tuple[str | None, str | None], use: dict) -> dict:
         return {"id": self.mid, "type": "message", "role": "assistant", "model": self.model, "content": content,
@@ -71,17 +71,26 @@ class MessageBuilder:
                                                "delta": {"type": "text_delta", "text": text}}))
         return events
 
-    def calls(self, calls: list[dict]) -> list[tuple[str, dict]]:
-        events = self._stop_text() if calls else []
-        for call in calls:
-            block = tool_use(call)
-            events.append(self._start({**block, "input": {}}))
-            index = len(self.blocks) - 1
-            events += [("content_block_delta", {"type": "content_block_delta", "index": index,
-                                                "delta": {"type": "input_json_delta",
-                                                          "partial_json": arguments_json(call)}}),
-                       ("content_block_stop", {"type": "content_block_stop", "index": index})]
-        return events
+    def streamed(self, events: list[tuple]) -> list[tuple[str, dict]]:
+        """The events of a `ToolStream`'s output: text deltas, and per call a `tool_use` block whose
+        `input_json_delta`s are the arguments as generated."""
+        out: list[tuple[str, dict]] = []
+        for ev in events:
+            if ev[0] == "text":
+                out += self.text_delta(ev[1])
+            elif ev[0] == "begin":
+                out += self._stop_text()
+                out.append(self._start(tool_use({**ev[1], "function": {**ev[1]["function"], "arguments": "{}"}})))
+                self.open_tools[ev[1]["index"]] = (ev[1]["id"], len(self.blocks) - 1)
+            elif ev[0] == "arguments":
+                index = self.open_tools[ev[1]][1]
+                out.append(("content_block_delta", {"type": "content_block_delta", "index": index,
+                                                    "delta": {"type": "input_json_delta", "partial_json": ev[2]}}))
+            else:
+                key = next(k for k, (call_id, _) in self.open_tools.items() if call_id == ev[1]["id"])
+                out.append(("content_block_stop", {"type": "content_block_stop",
+                                                   "index": self.open_tools.pop(key)[1]}))
+        return out
 
     def closing(self, output: Output, called: bool, use: dict) -> list[tuple[str, dict]]:
         events = self._stop_text()

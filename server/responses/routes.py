@@ -27,7 +27,7 @@ from server.responses.driver import NamedEventStream, Output
 from server.responses.protocol import ResponsesRequest
 from server.responses.shapes import ResponseBuilder, usage
 from server.responses.store import ResponseStore, Stored
-from server.responses.toolcalls import ToolPlan, split
+from server.responses.toolcalls import ToolPlan, chat_template_of
 from server.responses.turns import Turn, plan, settle
 from server.state import ServerContext
 
@@ -63,12 +63,12 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     store = store_of(request)
     prev = store.get(body.previous_response_id, param="previous_response_id") if body.previous_response_id else None
     mode, name = body.tool_mode()
-    tools = ToolPlan([t.as_tool() for t in body.tools or ()], mode, name, parallel=body.parallel_tool_calls)
-    template_tools = tools.template_tools(ctx.tokens)
+    tools = ToolPlan([t.as_tool() for t in body.tools or ()], mode, name, parallel=body.parallel_tool_calls,
+                     chat_template=chat_template_of(ctx.tokens))
     guided = tools.guided(body.guided())
     try:
         turn, max_tokens = await plan(request, ctx, store, inputs=body.messages(), instructions=body.instructions,
-                                      tools=template_tools, prev=prev, keep=body.store,
+                                      tools=tools.prompting(), prev=prev, keep=body.store,
                                       max_tokens=body.max_output_tokens)
     except ClientGone:
         return Response(status_code=driver.GONE)
@@ -96,9 +96,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     if gone is not None:
         await settle(ctx, store, turn, None)
         return gone
-    content, calls = split(tools.stream(), output.text, True)
+    content, calls = tools.parse(output.text)
     use = usage(turn.input_tokens, turn.cached_tokens(output.cached_tokens), output.n_tokens)
-    answer = builder.final(output, content.strip() if calls else content, calls, use)
+    answer = builder.final(output, content, calls, use)
     await settle(ctx, store, turn, _record(ctx, turn, rid, output, content, calls, answer, body.store))
     if output.finish_reason == "error":
         raise APIError(500, f"generation failed: {output.error or 'engine error'}", code="engine_error")
@@ -108,21 +108,20 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
 async def _stream(ctx: ServerContext, store: ResponseStore, run: GenerationRun, turn: Turn,
                   builder: ResponseBuilder, tools: ToolPlan, keep: bool) -> AsyncIterator[tuple[str, dict]]:
     output, parser = Output(), tools.stream()
-    shown, calls = "", []
+    shown = ""
     record = None
     try:
         for event in builder.opening():
             yield event
         async with contextlib.aclosing(driver.outputs(ctx, run)) as outs:
             async for out in outs:
-                text, new_calls = split(parser, output.add(out), output.finish_reason is not None)
-                shown += text
-                calls += new_calls
-                for event in builder.text_delta(text) + builder.calls(new_calls):
+                events = parser.feed(output.add(out), output.finish_reason is not None)
+                shown += "".join(e[1] for e in events if e[0] == "text")
+                for event in builder.streamed(events):
                     yield event
         use = usage(turn.input_tokens, turn.cached_tokens(output.cached_tokens), output.n_tokens)
         events = builder.closing(output, use)
-        record = _record(ctx, turn, run.request_id, output, shown, calls, events[-1][1]["response"], keep)
+        record = _record(ctx, turn, run.request_id, output, shown, parser.calls, events[-1][1]["response"], keep)
         for event in events:
             yield event
     except Exception as exc:  # any failure reaches the client as an error event

@@ -6,7 +6,7 @@ Streamed, the events come in the order the `openai` SDK's accumulator expects, e
 `sequence_number` (0, 1, 2, ...): `response.created`, `response.in_progress`; for the message
 `response.output_item.added`, `response.content_part.added`, `response.output_text.delta`...,
 `response.output_text.done`, `response.content_part.done`, `response.output_item.done`; for a call
-`response.output_item.added`, `response.function_call_arguments.delta` (the arguments, whole),
+`response.output_item.added`, `response.function_call_arguments.delta`... (the arguments as generated),
 `response.function_call_arguments.done`, `response.output_item.done`; then `response.completed`
 (`response.incomplete` when `max_output_tokens` cut it or it was cancelled, `response.failed` on an
 engine error). Statuses: completed, incomplete (`incomplete_details.reason: max_output_tokens`),
@@ -47,6 +47,7 @@ class ResponseBuilder:
         self.created_at = int(time.time())
         self.items: list[dict] = []  # output items, in order
         self.message: dict | None = None  # the open message item (streaming)
+        self.open_calls: dict[int, tuple[dict, int]] = {}  # streaming: call index -> (its item, output_index)
         self.seq = 0
 
     # --- the response object
@@ -98,20 +99,44 @@ class ResponseBuilder:
                                  output_index=len(self.items), content_index=0, delta=text, logprobs=[]))
         return events
 
-    def calls(self, calls: list[dict]) -> list[tuple[str, dict]]:
-        events = self._close_message("completed") if calls else []
-        for call in calls:
-            item = self._call(call)
-            index = len(self.items)
-            events += [self.event("response.output_item.added", output_index=index,
-                                  item={**item, "arguments": "", "status": "in_progress"}),
-                       self.event("response.function_call_arguments.delta", item_id=item["id"],
-                                  output_index=index, delta=item["arguments"]),
-                       self.event("response.function_call_arguments.done", item_id=item["id"],
-                                  output_index=index, arguments=item["arguments"], name=item["name"]),
-                       self.event("response.output_item.done", output_index=index, item=item)]
-            self.items.append(item)
-        return events
+    def streamed(self, events: list[tuple]) -> list[tuple[str, dict]]:
+        """The events of a `ToolStream`'s output: text deltas, and per call `response.output_item.added`,
+        `response.function_call_arguments.delta` (each fragment as generated), `...arguments.done` and
+        `response.output_item.done`."""
+        out: list[tuple[str, dict]] = []
+        for ev in events:
+            if ev[0] == "text":
+                out += self.text_delta(ev[1])
+            elif ev[0] == "begin":
+                out += self._call_begin(ev[1])
+            elif ev[0] == "arguments":
+                out += self._call_arguments(ev[1], ev[2])
+            else:
+                out += self._call_end(ev[1])
+        return out
+
+    def _call_begin(self, header: dict) -> list[tuple[str, dict]]:
+        events = self._close_message("completed")
+        item = {"id": _item_id("fc"), "type": "function_call", "status": "in_progress", "call_id": header["id"],
+                "name": header["function"]["name"], "arguments": ""}
+        index = len(self.items)
+        self.items.append(item)
+        self.open_calls[header["index"]] = (item, index)
+        return events + [self.event("response.output_item.added", output_index=index, item=dict(item))]
+
+    def _call_arguments(self, call_index: int, fragment: str) -> list[tuple[str, dict]]:
+        item, index = self.open_calls[call_index]
+        item["arguments"] += fragment
+        return [self.event("response.function_call_arguments.delta", item_id=item["id"], output_index=index,
+                           delta=fragment)]
+
+    def _call_end(self, call: dict) -> list[tuple[str, dict]]:
+        key = next(k for k, (item, _) in self.open_calls.items() if item["call_id"] == call["id"])
+        item, index = self.open_calls.pop(key)
+        item.update(arguments=call["function"]["arguments"], status="completed")
+        return [self.event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                           arguments=item["arguments"], name=item["name"]),
+                self.event("response.output_item.done", output_index=index, item=dict(item))]
 
     def closing(self, output: Output, use: dict) -> list[tuple[str, dict]]:
         status, incomplete, error = status_of(output)

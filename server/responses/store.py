@@ -18,6 +18,7 @@ Guarantees of `ResponseStore`:
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
+from typing import Any
 
 from server.errors import APIError
 from server.limits import DEFAULT_MAX_STORED_RESPONSES
@@ -30,7 +31,7 @@ class Stored:
     length: int  # tokens of the sequence that are this response's whole conversation
     parent: "Stored | None"  # the response it continued (kept alive by this reference)
     instructions: str | None
-    tools: list[dict] | None  # the tools its prompt rendered (chat-template form)
+    tools: Any  # how its prompt rendered the tools (`server.responses.toolcalls.Prompting`, or None)
     inputs: list[dict]  # this turn's input messages
     reply: dict  # this turn's assistant message (content, tool_calls)
     end_token_text: str | None  # the text of the stop token the reply ended with (it is in the sequence)

@@ -27,6 +27,7 @@ from engine.api.errors import EngineError, SequenceNotFound
 from server.errors import APIError
 from server.openai.generation import ClientGone, await_or_disconnect
 from server.responses.store import ResponseStore, Stored, system
+from server.responses.toolcalls import Prompting, prompt_args
 from server.state import ServerContext
 from server.tokenization import TokenizerService
 
@@ -43,7 +44,7 @@ class Turn:
     prev: Stored | None
     inputs: list[dict]
     instructions: str | None
-    tools: list[dict] | None
+    tools: Prompting | None
 
     @property
     def input_tokens(self) -> int:
@@ -55,11 +56,12 @@ class Turn:
         return self.history + engine_cached if engine_cached > 0 else self.cached_before
 
 
-async def render(tokens: TokenizerService, messages: list[dict], tools: list[dict] | None) -> str:
+async def render(tokens: TokenizerService, messages: list[dict], prompting: Prompting | None) -> str:
     """The chat template's text for `messages` with the generation prompt (a 400 if the template refuses)."""
     if not tokens.has_chat_template:
         raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions with a plain "
                        "prompt instead", param="input")
+    messages, tools = prompt_args(prompting, messages)
     tokens.check_length([str(m.get("content") or "") for m in messages], "input")
     extra = {"tools": tools} if tools else {}
     try:
@@ -69,7 +71,7 @@ async def render(tokens: TokenizerService, messages: list[dict], tools: list[dic
         raise APIError(400, f"the chat template rejected this conversation: {exc}", param="input") from exc
 
 
-async def glue_ids(tokens: TokenizerService, prev: Stored, instructions: str | None, tools: list[dict] | None,
+async def glue_ids(tokens: TokenizerService, prev: Stored, instructions: str | None, tools: Prompting | None,
                    inputs: list[dict]) -> list[int] | None:
     """The tokens that continue `prev`'s sequence with `inputs` as the next turn, or None if the template
     does not render the conversation as prev's prompt + reply + glue."""
@@ -100,7 +102,7 @@ async def _engine(request: Request, work):
 
 
 async def plan(request: Request, ctx: ServerContext, store: ResponseStore, *, inputs: list[dict],
-               instructions: str | None, tools: list[dict] | None, prev: Stored | None, keep: bool,
+               instructions: str | None, tools: Prompting | None, prev: Stored | None, keep: bool,
                max_tokens: int | None) -> tuple[Turn, int]:
     """Where this turn runs and what it appends (raises ClientGone if the client left while a sequence was
     made: nothing is left behind); returns the turn and its max_tokens."""
@@ -124,7 +126,8 @@ async def plan(request: Request, ctx: ServerContext, store: ResponseStore, *, in
         store.hold(info.seq_id)
         return turn, max_tokens
     earlier = prev.history() if prev is not None else []
-    ids = await ctx.tokens.encode_chat(system(instructions) + earlier + inputs, tools=tools)
+    messages, template_tools = prompt_args(tools, system(instructions) + earlier + inputs)
+    ids = await ctx.tokens.encode_chat(messages, tools=template_tools)
     if not keep:
         turn = Turn("plain", None, ids, 0, 0, prev, inputs, instructions, tools)
         return turn, _fit(engine, turn, max_tokens)

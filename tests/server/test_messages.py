@@ -10,7 +10,9 @@ import httpx
 import jsonschema
 import pytest
 from http_support import API_KEY, LiveServer, sse_events
-from tool_support import SCHEMAS, TIME
+from tool_support import SCHEMAS, TEMPLATES, TIME, save_model_dir
+
+from engine.loader.default import DEFAULT_MODEL_DIR
 
 GREEDY = {"temperature": 0}  # sent as extra_body: the SDK no longer types `temperature`
 # one tool: the bundled model's context is 512 tokens
@@ -143,3 +145,75 @@ def test_errors_have_anthropic_shape(srv, client):
     with srv.client() as c:
         assert "error" in c.post("/v1/chat/completions", json={}).json()
     assert not srv.app.state.ctx.runs
+
+
+def streamed_tool_uses(srv, body: dict) -> tuple[list[dict], list[str]]:
+    """A raw streamed request: (per tool_use block, its start block and its partial_json deltas in order),
+    checking the blocks' order: start, deltas, stop, one block at a time."""
+    with srv.client() as c, c.stream("POST", "/v1/messages", json={**body, "stream": True}) as r:
+        assert r.status_code == 200, r.read()
+        events = sse_events(r.iter_lines())
+    uses, current = [], None
+    for e in events:
+        if e["type"] == "content_block_start" and e["content_block"]["type"] == "tool_use":
+            assert current is None and e["content_block"]["input"] == {}
+            current = (e["index"], e["content_block"], [])
+        elif e["type"] == "content_block_delta" and e["delta"]["type"] == "input_json_delta":
+            assert current is not None and e["index"] == current[0]
+            current[2].append(e["delta"]["partial_json"])
+        elif e["type"] == "content_block_stop" and current is not None and e["index"] == current[0]:
+            uses.append({"block": current[1], "deltas": current[2]})
+            current = None
+    assert current is None
+    return uses, [e["type"] for e in events]
+
+
+@pytest.fixture(scope="module")
+def generic():
+    """The bundled model's own template, which cannot render tools: the generic call-or-answer format."""
+    with LiveServer(str(DEFAULT_MODEL_DIR), n_cells=2048) as server:
+        yield server, anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+
+
+def test_auto_on_a_template_without_tools_answers_with_a_call(generic):
+    srv, client = generic
+    ask = [{"role": "user", "content": "What time is it in Paris?"}]
+    m = client.messages.create(model="m", max_tokens=60, tools=TOOLS, messages=ask, extra_body=GREEDY)  # auto
+    assert m.stop_reason == "tool_use" and [b.type for b in m.content] == ["tool_use"], m.content
+    call = m.content[0]
+    assert call.name == "get_time" and call.id.startswith("toolu_")
+    jsonschema.validate(call.input, TIME)
+    uses, names = streamed_tool_uses(srv, {"model": "m", "max_tokens": 60, "tools": TOOLS, "messages": ask, **GREEDY})
+    [use] = uses
+    assert use["block"]["name"] == "get_time" and len(use["deltas"]) > 1  # the input as generated
+    assert json.loads("".join(use["deltas"])) == call.input
+    assert "text_delta" not in json.dumps(names) and names[-2:] == ["message_delta", "message_stop"]
+    # the call and its result, sent back, render in the format (a tool result as a user turn)
+    follow = ask + [{"role": "assistant", "content": m.content},
+                    {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "noon"}]}]
+    m2 = client.messages.create(model="m", max_tokens=8, tools=TOOLS, messages=follow, extra_body=GREEDY)
+    assert m2.stop_reason in ("tool_use", "end_turn", "max_tokens") and m2.content
+
+
+@pytest.fixture(scope="module")
+def qwen_xml(tmp_path_factory):
+    folder = save_model_dir(tmp_path_factory.mktemp("qwen_xml"), TEMPLATES["qwen3_coder"])
+    with LiveServer(folder, n_cells=4096) as server:
+        yield server, anthropic.Anthropic(base_url=server.url, api_key="unused", max_retries=0)
+
+
+def test_qwen_xml_template_streams_input_json_deltas(qwen_xml):
+    srv, client = qwen_xml
+    kw = {"model": "m", "max_tokens": 100, "tools": TOOLS, "messages": [{"role": "user", "content": "Time?"}],
+          "tool_choice": {"type": "any", "disable_parallel_tool_use": True}}
+    m = client.messages.create(**kw, extra_body=GREEDY)
+    [call] = [b for b in m.content if b.type == "tool_use"]
+    assert [b.type for b in m.content] == ["tool_use"] and call.name == "get_time"
+    jsonschema.validate(call.input, TIME)
+    [use], _ = streamed_tool_uses(srv, {**kw, **GREEDY})
+    assert use["block"]["name"] == "get_time" and len(use["deltas"]) > 1
+    assert json.loads("".join(use["deltas"])) == call.input
+    with client.messages.stream(**kw, extra_body=GREEDY) as stream:  # the SDK assembles the same input
+        final = stream.get_final_message()
+    assert [b.input for b in final.content if b.type == "tool_use"] == [call.input]
+    assert final.stop_reason == m.stop_reason

@@ -9,8 +9,9 @@ import jsonschema
 import openai
 import pytest
 from http_support import LiveServer
-from tool_support import SCHEMAS, TOOLS
+from tool_support import SCHEMAS, TEMPLATES, TIME, TOOLS, save_model_dir
 
+from engine.loader.default import DEFAULT_MODEL_DIR
 from server.limits import Limits
 
 GREEDY = {"temperature": 0, "max_output_tokens": 8}
@@ -237,6 +238,86 @@ def test_text_format_json_schema(hermes):
                                 text={"format": {"type": "json_schema", "name": "answer", "schema": schema}})
     jsonschema.validate(json.loads(r.output_text), schema)
     assert r.status == "completed" and r.text.format.type == "json_schema"
+
+
+def streamed_calls(events) -> list[tuple[str, str, int]]:
+    """(name, arguments joined from the deltas, number of deltas) per streamed function_call item, checking
+    the order of its events: added (no arguments yet), deltas, arguments.done, item done."""
+    out, open_items = [], {}
+    for e in events:
+        if e.type == "response.output_item.added" and e.item.type == "function_call":
+            assert e.item.arguments == "" and e.item.call_id.startswith("call_")
+            open_items[e.item.id] = []
+        elif e.type == "response.function_call_arguments.delta":
+            open_items[e.item_id].append(e.delta)
+        elif e.type == "response.function_call_arguments.done":
+            assert "".join(open_items[e.item_id]) == e.arguments
+        elif e.type == "response.output_item.done" and e.item.type == "function_call":
+            deltas = open_items.pop(e.item.id)
+            assert "".join(deltas) == e.item.arguments and e.item.status == "completed"
+            out.append((e.item.name, e.item.arguments, len(deltas)))
+    assert not open_items
+    return out
+
+
+@pytest.fixture(scope="module")
+def generic():
+    """The bundled model's own template, which cannot render tools: the generic call-or-answer format."""
+    with LiveServer(str(DEFAULT_MODEL_DIR), n_cells=2048) as server:
+        yield server, openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_auto_on_a_template_without_tools_answers_with_a_call(generic):
+    srv, client = generic
+    kw = {"model": "m", "input": "What time is it in Paris?", "tools": RESPONSE_TOOLS[1:], "temperature": 0,
+          "max_output_tokens": 60}
+    r = client.responses.create(**kw)  # tool_choice auto (the default): a 400 before the generic format
+    assert r.status == "completed" and [item.type for item in r.output] == ["function_call"], r.output
+    call = r.output[0]
+    assert call.name == "get_time" and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(call.arguments), TIME)
+    # streamed: the arguments arrive as deltas that reassemble to the same call (greedy)
+    events = list(client.responses.create(**kw, stream=True))
+    [(name, arguments, n)] = streamed_calls(events)
+    assert (name, json.loads(arguments)) == (call.name, json.loads(call.arguments)) and n > 1
+    assert not [e for e in events if e.type == "response.output_text.delta"]  # no JSON markup as text
+    assert events[-1].type == "response.completed"
+    # the tool's output continues the stored response (the call and its result rendered as the format says)
+    r2 = client.responses.create(model="m", previous_response_id=r.id, tools=RESPONSE_TOOLS[1:], temperature=0,
+                                 max_output_tokens=8, input=[{"type": "function_call_output",
+                                                              "call_id": call.call_id, "output": "noon"}])
+    assert r2.status in ("completed", "incomplete") and r2.output
+    # auto there is a constrained JSON reply: a structured output format would contradict it
+    with srv.client() as c:
+        bad = c.post("/v1/responses", json={"input": "x", "tools": RESPONSE_TOOLS, "max_output_tokens": 8,
+                                            "text": {"format": {"type": "json_object"}}})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "tools", bad.text
+
+
+@pytest.fixture(scope="module")
+def llama3(tmp_path_factory):
+    folder = save_model_dir(tmp_path_factory.mktemp("llama3"), TEMPLATES["llama3_json"])
+    with LiveServer(folder, n_cells=4096) as server:
+        yield server, openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+
+
+def test_llama3_template_calls_with_streamed_argument_deltas(llama3):
+    _, client = llama3
+    kw = {"model": "m", "input": "Time?", "tools": RESPONSE_TOOLS, "tool_choice": "required",
+          "parallel_tool_calls": False, "max_output_tokens": 100, "temperature": 0}
+    r = client.responses.create(**kw)
+    calls = [item for item in r.output if item.type == "function_call"]
+    assert len(calls) == 1 and [item.type for item in r.output] == ["function_call"], r.output
+    jsonschema.validate(json.loads(calls[0].arguments), SCHEMAS[calls[0].name])
+    events = list(client.responses.create(**kw, stream=True))
+    [(name, arguments, n)] = streamed_calls(events)
+    assert (name, arguments) == (calls[0].name, calls[0].arguments) and n > 1  # as generated, not whole
+    assert events[-1].type == "response.completed"
+    assert [i.type for i in events[-1].response.output] == ["function_call"]
+    # auto: free text here, with no call markup
+    text = client.responses.create(model="m", input="Time?", tools=RESPONSE_TOOLS, max_output_tokens=12,
+                                   temperature=0)
+    assert text.output_text and "<|python_tag|>" not in text.output_text
 
 
 def test_api_key(model_dir):

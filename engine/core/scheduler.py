@@ -310,6 +310,8 @@ class Scheduler:
     def _draft_room(self, plan: StepBudget, seq: Sequence, budget: int) -> list[int]:
         """As much of `seq.draft` as fits the tick's budget and the free cells; drafts never evict or
         preempt anyone (they are a guess)."""
+        if not seq.draft:
+            return []
         k = max(0, min(len(seq.draft), budget, self.cache.free_cells() - plan.tokens - 1))
         return seq.draft[:k]
 

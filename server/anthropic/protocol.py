@@ -188,12 +188,3 @@ class MessagesRequest(CountTokensRequest):
     @classmethod
     def _stops(cls, value: list[str] | None) -> list[str] | None:
         return [s for s in value if s] if value is not None else None
-
-
-def arguments_json(call: dict) -> str:
-    """A parsed call's arguments as compact JSON text (the `input_json_delta` of a stream)."""
-    args = call["function"]["arguments"]
-    try:
-        return json.dumps(json.loads(args), ensure_ascii=False, separators=(",", ":"))
-    except ValueError:
-        return args

@@ -12,7 +12,6 @@ wrong type or range is a 400 naming the field, in Anthropic's error shape on the
   messages (before the user's text of the same turn), as OpenAI-style chat templates take them.
 """
 
-import json
 from typing import Annotated, Any, Literal
 
 from pydantic import Field, field_validator, model_validator

@@ -107,6 +107,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     from server.app import build_app
     from server.http_edge import uvicorn_options
+    from server.memory import idle_trim_from_env
 
     failed: list[str] = []
     server: uvicorn.Server | None = None
@@ -119,6 +120,7 @@ def run_server(args: argparse.Namespace) -> int:
     app = build_app(engine_factory(args), served_model_name=args.served_model_name, api_key=args.api_key,
                     shutdown_grace_s=args.shutdown_grace, on_fatal=on_fatal, limits=limits_of(args))
     ctx = app.state.ctx
+    idle_trim_from_env(ctx._stats)  # opt-in malloc_trim when idle (server/memory.py)
 
     class DrainingServer(uvicorn.Server):
         """On SIGTERM/SIGINT the app stops admitting (503) before uvicorn starts its graceful wait.

@@ -181,7 +181,7 @@ class EdgeProtocol(HttpToolsProtocol):  # type: ignore[misc,valid-type]
 
     def _refuse(self, refusal: _Refused) -> None:
         """Answer before the app: JSON error, `Connection: close`, then the lingering close."""
-        log.warning("refused before the app: %d %s", refusal.status, refusal.message)
+        log.info("refused before the app: %d %s", refusal.status, refusal.message)  # as a 4xx, not a fault
         if self._raw is None or self._raw.is_closing():
             return
         cycle = self.cycle

@@ -41,6 +41,7 @@ Timings are printed, never asserted.
 
 import asyncio
 import json
+import os
 import random
 import time
 from collections import Counter
@@ -986,3 +987,104 @@ def test_soak(profile: Profile, make_server, model_dir):
     assert finish == "length"  # the in-flight stream was finished, not cut
     assert srv.proc.wait(60) == 0, srv.log_tail()
     print(f"total {time.monotonic() - t0:.1f}s")
+
+
+# ----- memory over time (issue #30) --------------------------------------------------------------
+RSS_SOAK_S = float(os.environ.get("CELLSERVE_RSS_SOAK_S", "40"))  # traffic time; `make soak` may raise it
+RSS_SAMPLE_S = 0.5
+RSS_SLOPE_MB_PER_MIN = 30.0  # second-half slope bound: a plateau is ~0, the CI run is short and noisy
+
+
+def slope_mb_per_min(samples: list[tuple[float, float]]) -> float:
+    """Least-squares slope of (seconds, MiB) samples, in MiB a minute."""
+    n = len(samples)
+    mt, mr = sum(t for t, _ in samples) / n, sum(r for _, r in samples) / n
+    var = sum((t - mt) ** 2 for t, _ in samples) or 1.0
+    return sum((t - mt) * (r - mr) for t, r in samples) / var * 60
+
+
+async def rss_traffic(url: str, port: int, until: float, rng: random.Random) -> Counter:
+    """Mixed traffic until `until`: completions (n=2 + logprobs), chats streamed and dropped early,
+    sequence trees (create, fork, continue, truncate, delete), structured output, and refusals (413,
+    431, over-context 400). Every status is counted; a 5xx fails the test."""
+    statuses: Counter = Counter()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+
+    async def one(c: httpx.AsyncClient) -> None:
+        k, p = rng.randrange(8), rng.choice(PROMPTS)
+        if k == 0:
+            r = await c.post("/v1/completions", json={"prompt": p, "max_tokens": 16, "n": 2, "logprobs": 2})
+        elif k == 1:
+            body = {"messages": [{"role": "user", "content": p}], "max_tokens": 40, "stream": True}
+            async with c.stream("POST", "/v1/chat/completions", json=body) as r:
+                async for _ in r.aiter_lines():
+                    if rng.random() < 0.2:
+                        break  # an early disconnect
+        elif k == 2:
+            seq = (await c.post("/v1/sequences", json={"prompt": p})).json()
+            fork = (await c.post(f"/v1/sequences/{seq['id']}/fork")).json()
+            await c.post(f"/v1/sequences/{fork['id']}/completions", json={"max_tokens": 8})
+            await c.post(f"/v1/sequences/{seq['id']}/truncate", json={"length": 1})
+            for sid in (seq["id"], fork["id"]):
+                r = await c.delete(f"/v1/sequences/{sid}")
+        elif k == 3:
+            fmt = {"type": "json_schema", "json_schema": {"name": "a", "schema": schema}}
+            r = await c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": p}],
+                                                           "max_tokens": 24, "response_format": fmt})
+        elif k == 4:
+            r = await c.post("/v1/completions", content=b"x" * (MAX_BODY_BYTES + 1),
+                             headers={"Content-Type": "application/json"})
+        elif k == 5:
+            r = await c.get("/v1/models", headers={"X-Big": "b" * 100_000})
+        elif k == 6:
+            r = await c.post("/v1/completions", json={"prompt": "word " * 600, "max_tokens": 4})
+        else:
+            r = await c.post("/v1/completions", json={"prompt": p, "max_tokens": 24, "temperature": 0.8})
+        statuses[r.status_code] += 1
+        assert r.status_code < 500, r.text[:300]
+
+    async def worker() -> None:
+        async with httpx.AsyncClient(base_url=url, timeout=60) as c:
+            while time.monotonic() < until:
+                await one(c)
+
+    await asyncio.gather(*(worker() for _ in range(6)))
+    return statuses
+
+
+@pytest.mark.soak
+def test_rss_over_time(make_server, tmp_path):
+    """RSS of a real `cellserve serve` under mixed traffic, sampled every RSS_SAMPLE_S: the slope over the
+    second half tells a plateau (first touch of the pool, allocator caches) from a ratchet (a leak or
+    fragmentation). Then the server idles: with CELLSERVE_MALLOC_TRIM_IDLE_S set, it trims."""
+    import threading
+
+    srv = make_server()
+    samples: list[tuple[float, float]] = []
+    stop = threading.Event()
+    t0 = time.monotonic()
+
+    def sample() -> None:
+        while not stop.is_set():
+            samples.append((time.monotonic() - t0, srv.rss_mb()))
+            stop.wait(RSS_SAMPLE_S)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    statuses = asyncio.run(rss_traffic(srv.url, srv.port, t0 + RSS_SOAK_S, random.Random(0)))
+    busy = list(samples)
+    time.sleep(8)  # idle: an idle trim (if enabled) happens after its delay
+    stop.set()
+    sampler.join()
+    idle_rss = srv.rss_mb()
+    with httpx.Client(base_url=srv.url, timeout=30) as c:
+        metrics = c.get("/metrics").text
+    (tmp_path / "rss.csv").write_text("seconds,rss_mib\n" + "".join(f"{t:.1f},{r:.1f}\n" for t, r in samples))
+    half = [s for s in busy if s[0] >= RSS_SOAK_S / 2]
+    first, second = slope_mb_per_min(busy[: len(busy) - len(half)]), slope_mb_per_min(half)
+    print(f"\nRSS over {RSS_SOAK_S:.0f}s of traffic ({sum(statuses.values())} requests, {dict(sorted(statuses.items()))}):"
+          f" start {busy[0][1]:.1f} MiB, peak {max(r for _, r in busy):.1f}, end {busy[-1][1]:.1f}, after 8 s idle "
+          f"{idle_rss:.1f}; slope first half {first:+.1f} MiB/min, second half {second:+.1f} MiB/min "
+          f"(trim: {os.environ.get('CELLSERVE_MALLOC_TRIM_IDLE_S', 'off')}); samples in {tmp_path / 'rss.csv'}")
+    assert "process_resident_memory_bytes" in metrics
+    assert second < RSS_SLOPE_MB_PER_MIN, "RSS still climbing in the second half of the run"

@@ -123,9 +123,11 @@ def test_cli_models_lists_the_cache_and_pull_prints_the_folder(smollm, capsys):
 
 
 def test_quantized_greedy_output_equals_the_dequantized_models_for_most_prompts(smollm, hf):
-    """dtype auto serves the Q4_1 blocks as they are (one copy: ~the file's bytes); at one row the kernels
-    round activations to int8 per 32-block, so a near tie between two tokens may flip: most prompts
-    (at least 6 of 8) must give the dequantized model's 16 greedy tokens exactly."""
+    """dtype auto serves the Q4_1 blocks as they are (one copy: ~the file's bytes). Steps of 1 to 8 rows
+    round activations to int8 per 32-block (as llama.cpp does), so a near tie between two tokens may
+    flip: most prompts (at least 5 of 8) must give the dequantized model's 16 greedy tokens exactly, and
+    where one does not, the token it took must be within 0.25 logit of the oracle's best there (measured:
+    3 of 8 diverge, at margins 0.06-0.10 on logits of 25-32)."""
     from engine.api.sampling_params import SamplingParams
     from engine.core.llm import LLM
     from engine.model.native.quant import QuantLinear, weight_bytes
@@ -134,15 +136,27 @@ def test_quantized_greedy_output_equals_the_dequantized_models_for_most_prompts(
     native = llm.engine.runner.native
     assert isinstance(native.head, QuantLinear) and native.layers[0].qkv.weight.kind == "q4_1"
     assert weight_bytes(native) < 100e6  # the file's 94 MB of blocks, not 540 MB of float32
-    _, tok = hf
+    model, tok = hf
     questions = ["What is the capital of France?", "Name three colors.", "What is 2 + 2?",
                  "Write a haiku about the sea.", "Who wrote Hamlet?", "What is the boiling point of water?",
                  "Say hello in Spanish.", "What is the largest planet?"]
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], add_generation_prompt=True, tokenize=True,
                                        return_dict=False) for q in questions]
-    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0))  # both stop at <|im_end|>
-    same = [list(o.outputs[0].token_ids) == hf_greedy(hf, p, 16) for o, p in zip(outs, prompts)]
-    assert sum(same) >= 6, same
+    outs = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0, ignore_eos=True))
+    same = 0
+    for out, prompt in zip(outs, prompts):
+        ids, got = list(prompt), list(out.outputs[0].token_ids)
+        for token in got:
+            with torch.inference_mode():
+                logits = model(torch.tensor([ids])).logits[0, -1]
+            best = int(logits.argmax())
+            if token != best:  # the first divergence: a near tie in the oracle
+                assert float(logits[best] - logits[token]) < 0.25, (tok.decode(ids[len(prompt):]), best, token)
+                break
+            ids.append(token)
+        else:
+            same += 1
+    assert same >= 5
 
 
 def test_greedy_chat_over_http_is_transformers_generate_token_for_token(server, hf):

@@ -32,7 +32,7 @@ serve: $(STAMP)
 	fi
 
 soak: $(STAMP)
-	$(BIN)/python -m pytest -m 'soak or soak_long' -o addopts='-q' tests/server/test_soak.py
+	CELLSERVE_RSS_SOAK_S=$${CELLSERVE_RSS_SOAK_S:-150} $(BIN)/python -m pytest -m 'soak or soak_long' -o addopts='-q' tests/server/test_soak.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check engine server tests

@@ -15,12 +15,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.api.ids import new_id
-from engine.api.sampling_params import GuidedDecoding, SamplingParams
+from engine.api.sampling_params import SamplingParams
 from server.anthropic.errors import anthropic_error
 from server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from server.anthropic.shapes import MessageBuilder, usage
 from server.errors import APIError, as_api_error
 from server.openai.generation import GenerationRun
+from server.openai.protocol import build_sampling_params
 from server.openai.sse import STREAMED_200
 from server.responses import driver
 from server.responses.driver import NamedEventStream, Output
@@ -47,14 +48,7 @@ def sampling(body: MessagesRequest, guided: dict | None) -> SamplingParams:
             kwargs[name] = getattr(body, name)
     if body.stop_sequences:
         kwargs["stop"] = body.stop_sequences
-    try:
-        if guided is not None:
-            kwargs["guided"] = GuidedDecoding(**guided)
-        return SamplingParams(**kwargs)
-    except (ValueError, TypeError) as exc:
-        param = getattr(exc, "param", None)
-        raise APIError(400, f"invalid sampling parameters: {exc}",
-                       param="stop_sequences" if param == "stop" else param) from exc
+    return build_sampling_params(kwargs, guided, {"stop": "stop_sequences"})
 
 
 @router.post("/v1/messages", responses=STREAMED_200)

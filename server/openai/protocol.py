@@ -406,10 +406,19 @@ def sampling_params(fields: SamplingFields, *, max_tokens: int, logprobs: int | 
     bias = fields.logit_bias_ids()
     if bias:
         kwargs["logit_bias"] = bias
-    guided = fields.guided() if guided is None else guided
+    return build_sampling_params(kwargs, fields.guided() if guided is None else guided)
+
+
+def build_sampling_params(kwargs: dict[str, Any], guided: dict | None,
+                          field_names: dict[str, str] | None = None) -> SamplingParams:
+    """The engine's SamplingParams from `kwargs` (+ a guided-decoding spec), or a 400 naming the offending
+    field; `field_names` maps an engine field to this API's name for it (Anthropic: stop -> stop_sequences).
+    Every generating route builds its params here."""
     try:
         if guided is not None:
             kwargs["guided"] = GuidedDecoding(**guided)
         return SamplingParams(**kwargs)
     except (ValueError, TypeError) as exc:
-        raise APIError(400, f"invalid sampling parameters: {exc}", param=getattr(exc, "param", None)) from exc
+        param = getattr(exc, "param", None)
+        param = (field_names or {}).get(param, param)
+        raise APIError(400, f"invalid sampling parameters: {exc}", param=param) from exc

@@ -18,9 +18,10 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.api.errors import EngineError, SequenceNotFound
 from engine.api.ids import new_id
-from engine.api.sampling_params import GuidedDecoding, SamplingParams
+from engine.api.sampling_params import SamplingParams
 from server.errors import APIError, as_api_error
 from server.openai.generation import ClientGone, GenerationRun
+from server.openai.protocol import build_sampling_params
 from server.openai.sse import STREAMED_200
 from server.responses import driver
 from server.responses.driver import NamedEventStream, Output
@@ -48,12 +49,7 @@ def sampling(body: ResponsesRequest, max_tokens: int, guided: dict | None) -> Sa
     for name in ("temperature", "top_p", "top_k", "seed"):
         if getattr(body, name) is not None:
             kwargs[name] = getattr(body, name)
-    try:
-        if guided is not None:
-            kwargs["guided"] = GuidedDecoding(**guided)
-        return SamplingParams(**kwargs)
-    except (ValueError, TypeError) as exc:
-        raise APIError(400, f"invalid sampling parameters: {exc}", param=getattr(exc, "param", None)) from exc
+    return build_sampling_params(kwargs, guided)
 
 
 @router.post("/v1/responses", responses=STREAMED_200)

@@ -63,13 +63,19 @@ class IncrementalDetokenizer:
         return self._ids[self._n_context:]
 
     def push(self, token_ids: int | abc.Sequence[int]) -> str:
-        """Add one or more generated token ids; return the newly safe text (possibly "")."""
+        """Add one or more generated token ids; return the newly safe text (possibly ""). Several ids are
+        taken one at a time, so a delta of several tokens (speculative decoding) is cut exactly as the
+        same tokens arriving one per call: a character completed mid-delta is returned at once."""
         if self._flushed:
             raise RuntimeError("push() after flush(): make a new IncrementalDetokenizer per generation")
-        self._ids.extend([token_ids] if isinstance(token_ids, int) else token_ids)
-        if self.stopped:
-            return ""
-        return self._emit(self._decode_delta(final=False), final=False)
+        if isinstance(token_ids, int):
+            token_ids = (token_ids,)
+        out = []
+        for token in token_ids:
+            self._ids.append(token)
+            if not self.stopped:
+                out.append(self._emit(self._decode_delta(final=False), final=False))
+        return "".join(out)
 
     def flush(self) -> str:
         """End of generation: return everything still held back (an incomplete character, a possible
@@ -156,9 +162,7 @@ def choice_text(detok: IncrementalDetokenizer, token_ids: list[int], finish_reas
     and a choice that ends by `stop` or `length` flushes what the detokenizer held back (a cancelled or
     failed one does not)."""
     ids = token_ids[:-1] if finish_reason == "stop" else token_ids
-    # One push per token, so a delta of several tokens (speculative decoding) is cut exactly as the same
-    # tokens arriving one per tick would be: a character completed mid-delta is sent at once.
-    text = "".join(detok.push(t) for t in ids)
+    text = detok.push(ids) if ids else ""
     if finish_reason in ("stop", "length"):
         text += detok.flush()
     return text

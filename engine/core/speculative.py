@@ -131,7 +131,7 @@ class SpeculativeDecoder:
             seq.draft_len = min(self.k, len(c.draft) + 1) if drafts_kept == len(c.draft) else drafts_kept + 1
             seq.draft_misses = 0 if drafts_kept else seq.draft_misses + 1
             seq.draft_pause = min(AUTO_MAX_PAUSE, 2 ** seq.draft_misses) if seq.draft_misses else 0
-            self._trim(seq, start + drafts_kept)
+            self._trim(seq, start + drafts_kept, start + len(c.draft))
             seq.draft = []
         return appended
 
@@ -155,13 +155,17 @@ class SpeculativeDecoder:
                for t, lp, top in zip(result.token_ids, result.logprobs, result.top_logprobs)]
         return result.token_ids[: a + 1], lps[: a + 1]
 
-    def _trim(self, seq: Sequence, valid: int) -> None:
-        """Cells of positions >= `valid` were drafted and not kept: drop them (seq_rm) and record what is
-        cached. An idle persistent sequence keeps its last token uncached (Sequence.cache_target)."""
+    def _trim(self, seq: Sequence, valid: int, claimed: int) -> None:
+        """Cells of positions in [valid, claimed) were drafted and not kept: drop them (seq_rm) and record
+        what is cached. An idle persistent sequence keeps its last token uncached (Sequence.cache_target).
+        A draft kept whole drops nothing: no pass over the pool then."""
         if seq.slot is None:
             return
         valid = min(valid, len(seq.token_ids) - (1 if seq.persistent and seq.request is None else 0))
-        self.scheduler.uncache(seq, valid)
+        if valid < claimed or valid < seq.n_cached:
+            self.scheduler.uncache(seq, valid)
+        else:
+            self.scheduler.set_cached(seq, valid)
 
     @staticmethod
     def _merge(choices: dict[int, CompletionOutput], index: int, out: CompletionOutput) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 from tqdm.auto import tqdm
 
 from engine.api.args import EngineArgs
-from engine.api.outputs import CompletionOutput, RequestOutput
+from engine.api.outputs import CompletionOutput, PromptLogprobs, RequestOutput
 from engine.api.sampling_params import SamplingParams
 from engine.core.engine import Engine
 from engine.model.runner import ModelRunner
@@ -23,6 +23,7 @@ class LLMOutput:
     prompt: str | None
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]  # accumulated over the whole generation
+    prompt_logprobs: PromptLogprobs | None = None  # when SamplingParams.prompt_logprobs asked for them
 
 
 class LLM:
@@ -64,6 +65,7 @@ class LLM:
 
 def _accumulator(out: LLMOutput):
     def emit(delta: RequestOutput) -> None:
+        out.prompt_logprobs = delta.prompt_logprobs or out.prompt_logprobs
         for c in delta.outputs:
             acc = out.outputs[c.index]
             acc.token_ids += c.token_ids

@@ -1,5 +1,7 @@
 """Tiny seeded random models of every supported architecture, built from configs (no downloads)."""
 
+import itertools
+
 import torch
 from transformers import (
     GPT2Config,
@@ -110,3 +112,38 @@ def save_tiny_model_dir(path, seed: int = 0, max_positions: int = 512):
     LlamaForCausalLM(config).save_pretrained(path)
     tokenizer.save_pretrained(path)
     return path
+
+
+def save_scripted_model_dir(path, chat_template: str, after: str, script: str, seed: int = 0):
+    """A tiny Llama that writes `script` (then EOS) under greedy decoding after any prompt ending in the
+    last token of `after`: its layers add nothing (zero output projections), so each position's logits
+    depend on its own token only, and the head maps every token of the chain `after[-1], script..., EOS`
+    to its successor. `<think>`/`</think>` are plain added tokens (as Qwen3's: not skipped when decoding),
+    `<|im_start|>`/`<|im_end|>` special ones. For tests of what a server does with a known reply (a
+    reasoning split) through APIs that take no grammar. Returns (path, the script's token ids)."""
+    tokenizer = tiny_tokenizer()
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})
+    tokenizer.chat_template = chat_template
+    said = tokenizer.encode(script, add_special_tokens=False)
+    chain = [tokenizer.encode(after, add_special_tokens=False)[-1], *said, tokenizer.eos_token_id]
+    assert len(set(chain)) == len(chain), f"the script's tokens must be distinct: {chain}"
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=64, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
+                         pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=False)
+    model = LlamaForCausalLM(config)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.zero_()
+            layer.mlp.down_proj.weight.zero_()
+        emb = torch.nn.functional.normalize(torch.randn(len(tokenizer), 64), dim=1)
+        head = torch.nn.functional.normalize(torch.randn(len(tokenizer), 64), dim=1)
+        for cur, nxt in itertools.pairwise(chain):
+            head[nxt] = emb[cur]
+        model.model.embed_tokens.weight.copy_(emb)
+        model.lm_head.weight.copy_(10 * head)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return str(path), said

@@ -4,10 +4,14 @@ and their messages as chat-template messages.
 Guarantees (`server.schema`'s base: strict types, unknown fields ignored, explicit null = default; a
 wrong type or range is a 400 naming the field, in Anthropic's error shape on these routes):
 - `system` is a string or text blocks; `messages` alternate user/assistant turns whose content is a
-  string or blocks: `text`, `tool_use` (assistant), `tool_result` (user, content a string or text
+  string or blocks: `text`, `tool_use` (assistant), `thinking`/`redacted_thinking` (assistant: an earlier
+  reply's reasoning; a thinking block's text becomes the message's `reasoning_content`, which templates
+  that keep reasoning render, a redacted one is dropped), `tool_result` (user, content a string or text
   blocks). `cache_control` is accepted anywhere and ignored (prefix sharing is automatic). Any other
-  block (image, document, thinking, ...) is a 400 naming it.
-- `thinking` other than `{"type": "disabled"}` is a 400 (this server has no reasoning mode).
+  block (image, document, ...) is a 400 naming it.
+- `thinking` (`enabled`, `adaptive`, `disabled`) reaches the template's thinking switch
+  (`server.openai.reasoning.template_kwargs`); `budget_tokens` is accepted and not enforced (`max_tokens`
+  bounds the whole reply); `display: "omitted"` sends thinking blocks without their text.
 - `tool_use` blocks become an assistant message's `tool_calls`; `tool_result` blocks become `tool`
   messages (before the user's text of the same turn), as OpenAI-style chat templates take them.
 """
@@ -52,7 +56,19 @@ class ToolResultBlock(StrictModel):
         raise ValueError("a tool_result's content must be a string or a list of text blocks")
 
 
-Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock, Field(discriminator="type")]
+class ThinkingBlock(StrictModel):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None  # ours are empty: accepted and ignored
+
+
+class RedactedThinkingBlock(StrictModel):
+    type: Literal["redacted_thinking"]
+    data: str = ""
+
+
+Block = Annotated[TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+                  Field(discriminator="type")]
 
 
 def _blocks(value: Any) -> Any:
@@ -72,8 +88,8 @@ class Message(StrictModel):
     @model_validator(mode="after")
     def _blocks_fit_the_role(self):
         for block in self.content:
-            if isinstance(block, ToolUseBlock) and self.role != "assistant":
-                raise ParamError("messages", "tool_use blocks belong to assistant messages")
+            if isinstance(block, ToolUseBlock | ThinkingBlock | RedactedThinkingBlock) and self.role != "assistant":
+                raise ParamError("messages", f"{block.type} blocks belong to assistant messages")
             if isinstance(block, ToolResultBlock) and self.role != "user":
                 raise ParamError("messages", "tool_result blocks belong to user messages")
         return self
@@ -99,14 +115,13 @@ class ToolChoice(StrictModel):
 
 
 class Thinking(StrictModel):
-    type: str
+    type: Literal["enabled", "adaptive", "disabled"]
+    budget_tokens: int | None = Field(None, ge=1)
+    display: Literal["summarized", "omitted"] | None = None
 
-    @model_validator(mode="after")
-    def _disabled_only(self):
-        if self.type != "disabled":
-            raise ParamError("thinking", "extended thinking is not supported by this server; remove 'thinking' or "
-                             "send {'type': 'disabled'}")
-        return self
+    @property
+    def shown(self) -> bool:
+        return self.display != "omitted"
 
 
 class CountTokensRequest(StrictModel):
@@ -159,6 +174,9 @@ class CountTokensRequest(StrictModel):
             if m.role == "assistant":
                 text = "".join(b.text for b in m.content if isinstance(b, TextBlock))
                 msg: dict[str, Any] = {"role": "assistant", "content": text}
+                thought = "".join(b.thinking for b in m.content if isinstance(b, ThinkingBlock))
+                if thought:
+                    msg["reasoning_content"] = thought
                 calls = [template_call(b.id, b.name, b.input) for b in m.content if isinstance(b, ToolUseBlock)]
                 if calls:
                     msg["tool_calls"] = calls

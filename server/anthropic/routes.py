@@ -22,9 +22,11 @@ from server.anthropic.shapes import MessageBuilder, usage
 from server.errors import APIError, as_api_error
 from server.openai.generation import GenerationRun
 from server.openai.protocol import build_sampling_params
+from server.openai.reasoning import template_kwargs
 from server.openai.sse import STREAMED_200
 from server.responses import driver
 from server.responses.driver import NamedEventStream, Output
+from server.responses.reply import Reply, reply_of
 from server.responses.toolcalls import ToolPlan, chat_template_of, prompt_args
 from server.state import ServerContext
 
@@ -37,7 +39,9 @@ async def _prompt(ctx: ServerContext, body: CountTokensRequest) -> tuple[list[in
     tools = ToolPlan([t.as_tool() for t in body.tools or ()], mode, name, parallel=parallel,
                      chat_template=chat_template_of(ctx.tokens))
     messages, template_tools = prompt_args(tools.prompting(), body.chat_messages())
-    ids = await ctx.tokens.encode_chat(messages, tools=template_tools)
+    thinking = body.thinking.model_dump() if body.thinking is not None else None
+    kwargs = template_kwargs(chat_template_of(ctx.tokens), None, None, thinking)
+    ids = await ctx.tokens.encode_chat(messages, tools=template_tools, template_kwargs=kwargs)
     return ids, tools
 
 
@@ -61,30 +65,32 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
     gone = await driver.start(request, ctx, run)
     if gone is not None:
         return gone
-    builder = MessageBuilder(run.request_id, ctx.model_name)
+    builder = MessageBuilder(run.request_id, ctx.model_name,
+                             show_thinking=body.thinking is None or body.thinking.shown)
     headers = {"X-Request-Id": run.request_id, "request-id": run.request_id}
+    reply = await reply_of(ctx, tools, prompt)
     if body.stream:
-        return NamedEventStream(_stream(ctx, run, builder, tools, len(prompt)), headers=headers)
+        return NamedEventStream(_stream(ctx, run, builder, reply, len(prompt)), headers=headers)
     output = Output()
     gone = await driver.collect(request, ctx, run, output)
     if gone is not None:
         return gone
     if output.finish_reason == "error":
         raise APIError(500, f"generation failed: {output.error or 'engine error'}", code="engine_error")
-    content, calls = tools.parse(output.text)
+    reasoning, content, calls = reply.split(output.text)
     use = usage(len(prompt), output.cached_tokens, output.n_tokens)
-    return JSONResponse(builder.final(output, content, calls, use), headers=headers)
+    return JSONResponse(builder.final(output, content, calls, use, reasoning), headers=headers)
 
 
-async def _stream(ctx: ServerContext, run: GenerationRun, builder: MessageBuilder, tools: ToolPlan,
+async def _stream(ctx: ServerContext, run: GenerationRun, builder: MessageBuilder, reply: Reply,
                   prompt_tokens: int) -> AsyncIterator[tuple[str, dict]]:
-    output, parser = Output(), tools.stream()
+    output, parser = Output(), reply.stream()
     try:
         for event in builder.opening(usage(prompt_tokens, 0, 0)):
             yield event
         async with contextlib.aclosing(driver.outputs(ctx, run)) as outs:
             async for out in outs:
-                events = parser.feed(output.add(out), output.finish_reason is not None)
+                events = parser.feed(output.add(out), output.last_tokens, output.finish_reason is not None)
                 if output.finish_reason == "error":
                     raise APIError(500, f"generation failed: {output.error or 'engine error'}", code="engine_error")
                 for event in builder.streamed(events):

@@ -1,9 +1,11 @@
 """Anthropic's Messages shapes: the `message` object and its stream events, as plain dicts.
 
-Content is `text` blocks and `tool_use` blocks (the model's calls, split from its text by the chat
-routes' tool parser). Streamed, the events come in Anthropic's order: `message_start`, then per block
-`content_block_start`, `content_block_delta` (`text_delta`, or `input_json_delta`s: a call's input as it
-is generated), `content_block_stop`, then `message_delta` (stop_reason, stop_sequence, usage)
+Content is a `thinking` block (the reply's `<think>` part, when the template speaks `<think>`; its
+`signature` is empty: nothing here checks one), `text` blocks and `tool_use` blocks (the model's calls,
+split from its text by the chat routes' tool parser). Streamed, the events come in Anthropic's order:
+`message_start`, then per block `content_block_start`, `content_block_delta` (`thinking_delta`,
+`text_delta`, or `input_json_delta`s: a call's input as it is generated), `content_block_stop`, then
+`message_delta` (stop_reason, stop_sequence, usage)
 and `message_stop`. stop_reason: `end_turn` (EOS), `stop_sequence` (with the one matched),
 `max_tokens`, `tool_use` (the reply ended after calling tools).
 """
@@ -41,18 +43,19 @@ def tool_use(call: dict) -> dict:
 
 
 class MessageBuilder:
-    def __init__(self, mid: str, model: str):
-        self.mid, self.model = mid, model
+    def __init__(self, mid: str, model: str, show_thinking: bool = True):
+        self.mid, self.model, self.show_thinking = mid, model, show_thinking
         self.blocks: list[dict] = []
-        self.text_open = False  # the last block is a text block still streaming
+        self.text_open = False  # the last block is a text (or thinking) block still streaming
         self.open_tools: dict[int, tuple[str, int]] = {}  # streaming: call index -> (call id, block index)
 
     def message(self, content: list[dict], stop: tuple[str | None, str | None], use: dict) -> dict:
         return {"id": self.mid, "type": "message", "role": "assistant", "model": self.model, "content": content,
                 "stop_reason": stop[0], "stop_sequence": stop[1], "usage": use}
 
-    def final(self, output: Output, content: str, calls: list[dict], use: dict) -> dict:
-        blocks = [{"type": "text", "text": content}] if content or not calls else []
+    def final(self, output: Output, content: str, calls: list[dict], use: dict, reasoning: str | None = None) -> dict:
+        blocks = [self._thinking(reasoning)] if reasoning is not None else []
+        blocks += [{"type": "text", "text": content}] if content or not (calls or blocks) else []
         blocks += [tool_use(c) for c in calls]
         return self.message(blocks, stop_of(output, bool(calls)), use)
 
@@ -60,10 +63,24 @@ class MessageBuilder:
     def opening(self, use: dict) -> list[tuple[str, dict]]:
         return [("message_start", {"type": "message_start", "message": self.message([], (None, None), use)})]
 
+    def _thinking(self, text: str) -> dict:
+        return {"type": "thinking", "thinking": text if self.show_thinking else "", "signature": ""}
+
+    def thinking_delta(self, text: str) -> list[tuple[str, dict]]:
+        events = []
+        if not (self.text_open and self.blocks[-1]["type"] == "thinking"):
+            events += self._stop_text()
+            events.append(self._start(self._thinking("")))
+            self.text_open = True
+        if self.show_thinking:
+            events.append(("content_block_delta", {"type": "content_block_delta", "index": len(self.blocks) - 1,
+                                                   "delta": {"type": "thinking_delta", "thinking": text}}))
+        return events
+
     def text_delta(self, text: str) -> list[tuple[str, dict]]:
         if not text:
             return []
-        events = []
+        events = self._stop_text() if self.blocks and self.blocks[-1]["type"] == "thinking" else []
         if not self.text_open:
             events.append(self._start({"type": "text", "text": ""}))
             self.text_open = True
@@ -76,7 +93,9 @@ class MessageBuilder:
         `input_json_delta`s are the arguments as generated."""
         out: list[tuple[str, dict]] = []
         for ev in events:
-            if ev[0] == "text":
+            if ev[0] == "reasoning":
+                out += self.thinking_delta(ev[1])
+            elif ev[0] == "text":
                 out += self.text_delta(ev[1])
             elif ev[0] == "begin":
                 out += self._stop_text()

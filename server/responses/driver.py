@@ -14,7 +14,7 @@ read. Guarantees, the same as `server.openai.response.serve`'s:
 
 import json
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import Request
 from fastapi.responses import Response
@@ -39,20 +39,28 @@ class Output:
     stop_reason: str | int | None = None  # the stop string or stop token id that ended it
     error: str | None = None
     last_token: int | None = None
+    pieces: list[tuple[str, int]] = field(default_factory=list)  # (text, tokens) of each output, in order
 
     def add(self, out: RequestOutput) -> str:
         """Fold in one engine output; returns the new text."""
         self.cached_tokens = out.cached_tokens
-        new = ""
+        new, n = "", 0
         for co in out.outputs:
             new += co.text
-            self.n_tokens += len(co.token_ids)
+            n += len(co.token_ids)
             if co.token_ids:
                 self.last_token = co.token_ids[-1]
             if co.finish_reason:
                 self.finish_reason, self.stop_reason, self.error = co.finish_reason, co.stop_reason, co.error
         self.text += new
+        self.n_tokens += n
+        self.pieces.append((new, n))
         return new
+
+    @property
+    def last_tokens(self) -> int:
+        """Tokens of the output `add` folded in last."""
+        return self.pieces[-1][1] if self.pieces else 0
 
     @property
     def ended_on_stop_token(self) -> bool:

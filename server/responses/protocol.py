@@ -7,7 +7,11 @@ field this server does not honour is a 400 naming it (`REFUSED`) unless it holds
 `metadata`, `user`, `service_tier`, `prompt_cache_key`, `safety_identifier` are accepted and ignored
 (metadata is echoed back). Input is text or items: messages (`input_text`/`output_text` parts; roles
 user, system, developer (rendered as system), assistant), `function_call` and `function_call_output`
-items; anything else (images, files, reasoning items, item references) is a 400 naming the item.
+items, and `reasoning` items (an earlier reply's thinking: its text becomes the next assistant message's
+`reasoning_content`, which templates that keep reasoning render); anything else (images, files, item
+references) is a 400 naming the item. `reasoning.effort` reaches the template's thinking switch as chat's
+`reasoning_effort` does (`server.openai.reasoning.template_kwargs`); `reasoning.summary` is accepted and
+echoed (the reply's reasoning comes as `reasoning_text` content, never summarised).
 """
 
 import json
@@ -22,7 +26,7 @@ from server.schema import ParamError, StrictModel
 
 # field -> the values that mean "off" (accepted); anything else is a 400 naming the field.
 REFUSED: dict[str, tuple] = {
-    "background": (False,), "conversation": (), "prompt": (), "reasoning": ({},), "top_logprobs": (0,),
+    "background": (False,), "conversation": (), "prompt": (), "top_logprobs": (0,),
     "truncation": ("disabled",), "include": ([],), "max_tool_calls": (), "stream_options": (),
 }
 TOOL_NAME = r"^[A-Za-z0-9_.\-]+$"  # as the chat route's (server.openai.constraints.FunctionDef)
@@ -48,6 +52,7 @@ def _text_of(value: Any, what: str) -> str:
 
 class MessageItem(StrictModel):
     type: Literal["message"] = "message"
+    id: str | None = None
     role: Literal["user", "system", "developer", "assistant"]
     content: str
 
@@ -59,6 +64,7 @@ class MessageItem(StrictModel):
 
 class FunctionCallItem(StrictModel):
     type: Literal["function_call"]
+    id: str | None = None
     call_id: str = Field(min_length=1)
     name: str = Field(min_length=1)
     arguments: str
@@ -66,6 +72,7 @@ class FunctionCallItem(StrictModel):
 
 class FunctionCallOutputItem(StrictModel):
     type: Literal["function_call_output"]
+    id: str | None = None
     call_id: str = Field(min_length=1)
     output: str
 
@@ -75,7 +82,30 @@ class FunctionCallOutputItem(StrictModel):
         return _text_of(value, "a function_call_output's output")
 
 
-InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem, Field(discriminator="type")]
+class ReasoningPart(StrictModel):
+    type: Literal["reasoning_text", "summary_text"]
+    text: str
+
+
+class ReasoningItem(StrictModel):
+    type: Literal["reasoning"]
+    id: str | None = None
+    summary: list[ReasoningPart] = Field(default_factory=list)
+    content: list[ReasoningPart] | None = None
+    encrypted_content: str | None = None  # ours are never encrypted: accepted and ignored
+
+    def text(self) -> str:
+        return "".join(p.text for p in (self.content or self.summary))
+
+
+InputItem = Annotated[MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
+                      Field(discriminator="type")]
+
+
+class ReasoningConfig(StrictModel):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # the older name of `summary`
 
 
 class FunctionTool(StrictModel):
@@ -144,6 +174,7 @@ class ResponsesRequest(StrictModel):
     tool_choice: Literal["none", "auto", "required"] | NamedFunctionChoice | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
     store: bool = True
     previous_response_id: str | None = None
     stream: bool = False
@@ -196,18 +227,26 @@ def _items(value: Any) -> Any:
 
 def items_as_messages(items: list) -> list[dict]:
     """Messages as chat templates take them: developer -> system; function_call items join the assistant
-    turn they follow (or make one); function_call_output items become `tool` messages."""
+    turn they follow (or make one); function_call_output items become `tool` messages; a reasoning item's
+    text becomes the `reasoning_content` of the assistant message that follows it."""
     out: list[dict] = []
+    thought: str | None = None
     for item in items:
+        if isinstance(item, ReasoningItem):
+            thought = (thought or "") + item.text()
+            continue
         if isinstance(item, MessageItem):
-            out.append({"role": "system" if item.role == "developer" else item.role, "content": item.content})
+            msg = {"role": "system" if item.role == "developer" else item.role, "content": item.content}
         elif isinstance(item, FunctionCallItem):
             call = template_call(item.call_id, item.name, item.arguments)
             last = out[-1] if out else None
-            if last is not None and last["role"] == "assistant":
+            if last is not None and last["role"] == "assistant" and thought is None:
                 last.setdefault("tool_calls", []).append(call)
-            else:
-                out.append({"role": "assistant", "content": "", "tool_calls": [call]})
+                continue
+            msg = {"role": "assistant", "content": "", "tool_calls": [call]}
         else:
-            out.append({"role": "tool", "tool_call_id": item.call_id, "content": item.output})
+            msg = {"role": "tool", "tool_call_id": item.call_id, "content": item.output}
+        if thought is not None and msg["role"] == "assistant":
+            msg["reasoning_content"], thought = thought, None
+        out.append(msg)
     return out

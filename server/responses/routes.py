@@ -1,5 +1,5 @@
 """OpenAI's Responses API on persistent sequences: `POST /v1/responses`, `GET /v1/responses/{id}`,
-`DELETE /v1/responses/{id}`.
+`GET /v1/responses/{id}/input_items`, `DELETE /v1/responses/{id}`.
 
 A stored response (`store`, the default) is a prefix of a persistent sequence (`server.responses.store`):
 `previous_response_id` appends only the new turn to it, or forks it when that response was already
@@ -13,7 +13,7 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import JSONResponse, Response
 
 from engine.api.errors import EngineError, SequenceNotFound
@@ -22,10 +22,13 @@ from engine.api.sampling_params import SamplingParams
 from server.errors import APIError, as_api_error
 from server.openai.generation import ClientGone, GenerationRun
 from server.openai.protocol import build_sampling_params
+from server.openai.reasoning import template_kwargs
 from server.openai.sse import STREAMED_200
 from server.responses import driver
 from server.responses.driver import NamedEventStream, Output
+from server.responses.items import item_dict, page
 from server.responses.protocol import ResponsesRequest
+from server.responses.reply import Reply, reply_of
 from server.responses.shapes import ResponseBuilder, usage
 from server.responses.store import ResponseStore, Stored
 from server.responses.toolcalls import ToolPlan, chat_template_of
@@ -62,14 +65,17 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     tools = ToolPlan([t.as_tool() for t in body.tools or ()], mode, name, parallel=body.parallel_tool_calls,
                      chat_template=chat_template_of(ctx.tokens))
     guided = tools.guided(body.guided())
+    effort = body.reasoning.effort if body.reasoning is not None else None
+    kwargs = template_kwargs(chat_template_of(ctx.tokens), None, effort, None)
     try:
         turn, max_tokens = await plan(request, ctx, store, inputs=body.messages(), instructions=body.instructions,
                                       tools=tools.prompting(), prev=prev, keep=body.store,
-                                      max_tokens=body.max_output_tokens)
+                                      max_tokens=body.max_output_tokens, template_kwargs=kwargs)
     except ClientGone:
         return Response(status_code=driver.GONE)
     rid = new_id("resp")
     try:
+        reply = await reply_of(ctx, tools, turn.append)
         run = GenerationRun(engine, rid, [turn.append], sampling(body, max_tokens, guided), seq_id=turn.seq_id,
                             metrics=ctx.metrics)
         gone = await driver.start(request, ctx, run)
@@ -81,8 +87,9 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         return gone
     builder = ResponseBuilder(rid, body, model=ctx.model_name, max_output_tokens=max_tokens)
     headers = {"X-Request-Id": rid}
+    items = [item_dict(item) for item in body.input]
     if body.stream:
-        return NamedEventStream(_stream(ctx, store, run, turn, builder, tools, body.store), headers=headers)
+        return NamedEventStream(_stream(ctx, store, run, turn, builder, reply, body.store, items), headers=headers)
     output = Output()
     try:
         gone = await driver.collect(request, ctx, run, output)
@@ -92,32 +99,39 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     if gone is not None:
         await settle(ctx, store, turn, None)
         return gone
-    content, calls = tools.parse(output.text)
-    use = usage(turn.input_tokens, turn.cached_tokens(output.cached_tokens), output.n_tokens)
-    answer = builder.final(output, content, calls, use)
-    await settle(ctx, store, turn, _record(ctx, turn, rid, output, content, calls, answer, body.store))
+    reasoning, content, calls = reply.split(output.text)
+    use = usage(turn.input_tokens, turn.cached_tokens(output.cached_tokens), output.n_tokens,
+                reply.reasoning_tokens(output.pieces))
+    answer = builder.final(output, content, calls, use, reasoning)
+    said = {"role": "assistant", "content": content, "reasoning_content": reasoning, "tool_calls": calls}
+    await settle(ctx, store, turn, _record(ctx, turn, rid, output, said, answer, body.store, items))
     if output.finish_reason == "error":
         raise APIError(500, f"generation failed: {output.error or 'engine error'}", code="engine_error")
     return JSONResponse(answer, headers=headers)
 
 
 async def _stream(ctx: ServerContext, store: ResponseStore, run: GenerationRun, turn: Turn,
-                  builder: ResponseBuilder, tools: ToolPlan, keep: bool) -> AsyncIterator[tuple[str, dict]]:
-    output, parser = Output(), tools.stream()
-    shown = ""
+                  builder: ResponseBuilder, reply: Reply, keep: bool,
+                  items: list[dict]) -> AsyncIterator[tuple[str, dict]]:
+    output, parser = Output(), reply.stream()
+    shown, thought = "", ""
     record = None
     try:
         for event in builder.opening():
             yield event
         async with contextlib.aclosing(driver.outputs(ctx, run)) as outs:
             async for out in outs:
-                events = parser.feed(output.add(out), output.finish_reason is not None)
+                events = parser.feed(output.add(out), output.last_tokens, output.finish_reason is not None)
                 shown += "".join(e[1] for e in events if e[0] == "text")
+                thought += "".join(e[1] for e in events if e[0] == "reasoning")
                 for event in builder.streamed(events):
                     yield event
-        use = usage(turn.input_tokens, turn.cached_tokens(output.cached_tokens), output.n_tokens)
+        use = usage(turn.input_tokens, turn.cached_tokens(output.cached_tokens), output.n_tokens,
+                    parser.reasoning_tokens)
         events = builder.closing(output, use)
-        record = _record(ctx, turn, run.request_id, output, shown, parser.calls, events[-1][1]["response"], keep)
+        said = {"role": "assistant", "content": shown, "reasoning_content": thought or None,
+                "tool_calls": parser.calls}
+        record = _record(ctx, turn, run.request_id, output, said, events[-1][1]["response"], keep, items)
         for event in events:
             yield event
     except Exception as exc:  # any failure reaches the client as an error event
@@ -137,17 +151,16 @@ async def _stream(ctx: ServerContext, store: ResponseStore, run: GenerationRun, 
 _pending: set[asyncio.Task] = set()  # clean-ups of streams whose clients left (kept referenced until done)
 
 
-def _record(ctx: ServerContext, turn: Turn, rid: str, output: Output, content: str, calls: list[dict],
-            answer: dict, keep: bool) -> Stored | None:
-    """What is stored of a turn that ended well (stop or length), if it is to be kept."""
+def _record(ctx: ServerContext, turn: Turn, rid: str, output: Output, said: dict, answer: dict, keep: bool,
+            items: list[dict]) -> Stored | None:
+    """What is stored of a turn that ended well (stop or length), if it is to be kept: `said` is the reply
+    as an assistant message (content, reasoning_content, tool_calls; empty ones left out)."""
     if not keep or turn.seq_id is None or output.finish_reason not in ("stop", "length"):
         return None
-    reply = {"role": "assistant", "content": content}
-    if calls:
-        reply["tool_calls"] = calls
+    reply = {k: v for k, v in said.items() if k == "content" or v}
     end = ctx.tokens.token_str(output.last_token) if output.ended_on_stop_token else None
     return Stored(rid, turn.seq_id, turn.input_tokens + output.n_tokens, turn.prev, turn.instructions, turn.tools,
-                  turn.inputs, reply, end, answer)
+                  turn.inputs, reply, end, answer, turn.template_kwargs, items)
 
 
 async def _live(ctx: ServerContext, store: ResponseStore, response_id: str) -> Stored:
@@ -165,6 +178,13 @@ async def _live(ctx: ServerContext, store: ResponseStore, response_id: str) -> S
 async def get_response(response_id: str, request: Request) -> dict:
     ctx = ServerContext.of(request)
     return (await _live(ctx, store_of(request), response_id)).body
+
+
+@router.get("/v1/responses/{response_id}/input_items")
+async def list_input_items(response_id: str, request: Request, order: str = "desc", after: str | None = None,
+                           limit: int = Query(20)) -> dict:
+    ctx = ServerContext.of(request)
+    return page((await _live(ctx, store_of(request), response_id)).input_items, order, after, limit)
 
 
 @router.delete("/v1/responses/{response_id}")

@@ -1,9 +1,13 @@
 """OpenAI's Responses shapes: the `response` object and its typed stream events, built as plain dicts.
 
-`ResponseBuilder` turns one generation into output items: a `message` item holding one `output_text`
-part (the text, tool-call markup taken out), then one `function_call` item per call the model made.
+`ResponseBuilder` turns one generation into output items: a `reasoning` item (its `<think>` part, as one
+`reasoning_text` content part, when the template speaks `<think>` and the model thought), a `message` item
+holding one `output_text` part (the text, tool-call markup taken out), then one `function_call` item per
+call the model made.
 Streamed, the events come in the order the `openai` SDK's accumulator expects, each with its
-`sequence_number` (0, 1, 2, ...): `response.created`, `response.in_progress`; for the message
+`sequence_number` (0, 1, 2, ...): `response.created`, `response.in_progress`; for the reasoning
+`response.output_item.added`, `response.content_part.added`, `response.reasoning_text.delta`...,
+`response.reasoning_text.done`, `response.content_part.done`, `response.output_item.done`; for the message
 `response.output_item.added`, `response.content_part.added`, `response.output_text.delta`...,
 `response.output_text.done`, `response.content_part.done`, `response.output_item.done`; for a call
 `response.output_item.added`, `response.function_call_arguments.delta`... (the arguments as generated),
@@ -24,9 +28,9 @@ def _item_id(prefix: str) -> str:
     return f"{prefix}_{uuid.uuid4().hex}"
 
 
-def usage(input_tokens: int, cached: int, output_tokens: int) -> dict:
+def usage(input_tokens: int, cached: int, output_tokens: int, reasoning_tokens: int = 0) -> dict:
     return {"input_tokens": input_tokens, "input_tokens_details": {"cached_tokens": cached},
-            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": 0},
+            "output_tokens": output_tokens, "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
             "total_tokens": input_tokens + output_tokens}
 
 
@@ -41,12 +45,18 @@ def status_of(output: Output) -> tuple[str, dict | None, dict | None]:
     return "completed", None, None
 
 
+def status_item(status: str) -> str:
+    """An item's status at the end of a response with `status`."""
+    return "incomplete" if status == "incomplete" else "completed"
+
+
 class ResponseBuilder:
     def __init__(self, rid: str, body: ResponsesRequest, *, model: str, max_output_tokens: int):
         self.rid, self.body, self.model, self.max_output_tokens = rid, body, model, max_output_tokens
         self.created_at = int(time.time())
         self.items: list[dict] = []  # output items, in order
         self.message: dict | None = None  # the open message item (streaming)
+        self.thought: dict | None = None  # the open reasoning item (streaming)
         self.open_calls: dict[int, tuple[dict, int]] = {}  # streaming: call index -> (its item, output_index)
         self.seq = 0
 
@@ -64,7 +74,9 @@ class ResponseBuilder:
             "error": error, "incomplete_details": incomplete, "instructions": b.instructions,
             "max_output_tokens": b.max_output_tokens, "model": self.model, "output": list(self.items),
             "parallel_tool_calls": b.parallel_tool_calls, "previous_response_id": b.previous_response_id,
-            "reasoning": {"effort": None, "summary": None}, "store": b.store,
+            "reasoning": {"effort": b.reasoning.effort if b.reasoning else None,
+                          "summary": (b.reasoning.summary or b.reasoning.generate_summary) if b.reasoning else None},
+            "store": b.store,
             "temperature": 1.0 if b.temperature is None else b.temperature,
             "text": {"format": text_format}, "tool_choice": tool_choice or ("auto" if b.tools else "none"),
             "tools": [t.model_dump(exclude_none=True) for t in b.tools or ()],
@@ -72,11 +84,13 @@ class ResponseBuilder:
             "user": b.user, "metadata": b.metadata or {},
         }
 
-    def final(self, output: Output, content: str, calls: list[dict], use: dict) -> dict:
+    def final(self, output: Output, content: str, calls: list[dict], use: dict, reasoning: str | None = None) -> dict:
         """The whole response (non-streaming): the items from the split text, then the object."""
         status, incomplete, error = status_of(output)
+        if reasoning is not None:
+            self.items.append(self._reasoning(reasoning, "completed" if content or calls else status_item(status)))
         if content or not calls:
-            self.items.append(self._message(content, "incomplete" if status == "incomplete" else "completed"))
+            self.items.append(self._message(content, status_item(status)))
         self.items += [self._call(c) for c in calls]
         return self.response(status, use, incomplete, error)
 
@@ -93,7 +107,8 @@ class ResponseBuilder:
     def text_delta(self, text: str) -> list[tuple[str, dict]]:
         if not text:
             return []
-        events = self._open_message() if self.message is None else []
+        events = self._close_reasoning("completed")
+        events += self._open_message() if self.message is None else []
         self.message["content"][0]["text"] += text
         events.append(self.event("response.output_text.delta", item_id=self.message["id"],
                                  output_index=len(self.items), content_index=0, delta=text, logprobs=[]))
@@ -105,7 +120,9 @@ class ResponseBuilder:
         `response.output_item.done`."""
         out: list[tuple[str, dict]] = []
         for ev in events:
-            if ev[0] == "text":
+            if ev[0] == "reasoning":
+                out += self.reasoning_delta(ev[1])
+            elif ev[0] == "text":
                 out += self.text_delta(ev[1])
             elif ev[0] == "begin":
                 out += self._call_begin(ev[1])
@@ -116,7 +133,7 @@ class ResponseBuilder:
         return out
 
     def _call_begin(self, header: dict) -> list[tuple[str, dict]]:
-        events = self._close_message("completed")
+        events = self._close_reasoning("completed") + self._close_message("completed")
         item = {"id": _item_id("fc"), "type": "function_call", "status": "in_progress", "call_id": header["id"],
                 "name": header["function"]["name"], "arguments": ""}
         index = len(self.items)
@@ -140,10 +157,11 @@ class ResponseBuilder:
 
     def closing(self, output: Output, use: dict) -> list[tuple[str, dict]]:
         status, incomplete, error = status_of(output)
-        events = self._close_message("incomplete" if status == "incomplete" else "completed")
-        if not self.items:  # nothing was said: still one (empty) message, as the non-streaming answer
+        events = self._close_reasoning(status_item(status)) + self._close_message(status_item(status))
+        if not self.items or self.items[-1]["type"] == "reasoning":
+            # nothing was said: still one (empty) message, as the non-streaming answer has
             events += self._open_message()
-            events += self._close_message("incomplete" if status == "incomplete" else "completed")
+            events += self._close_message(status_item(status))
         kind = {"completed": "response.completed", "failed": "response.failed"}.get(status, "response.incomplete")
         return events + [self.event(kind, response=self.response(status, use, incomplete, error))]
 
@@ -181,3 +199,36 @@ class ResponseBuilder:
                 self.event("response.content_part.done", item_id=msg["id"], output_index=index, content_index=0,
                            part=part),
                 self.event("response.output_item.done", output_index=index, item=msg)]
+
+    # --- the reasoning item
+    @staticmethod
+    def _reasoning(text: str, status: str) -> dict:
+        return {"id": _item_id("rs"), "type": "reasoning", "summary": [],
+                "content": [{"type": "reasoning_text", "text": text}], "status": status}
+
+    def reasoning_delta(self, text: str) -> list[tuple[str, dict]]:
+        events: list[tuple[str, dict]] = []
+        if self.thought is None:
+            self.thought = self._reasoning("", "in_progress")
+            index = len(self.items)
+            events += [self.event("response.output_item.added", output_index=index,
+                                  item={**self.thought, "content": []}),
+                       self.event("response.content_part.added", item_id=self.thought["id"], output_index=index,
+                                  content_index=0, part={"type": "reasoning_text", "text": ""})]
+        self.thought["content"][0]["text"] += text
+        return events + [self.event("response.reasoning_text.delta", item_id=self.thought["id"],
+                                    output_index=len(self.items), content_index=0, delta=text)]
+
+    def _close_reasoning(self, status: str) -> list[tuple[str, dict]]:
+        item, self.thought = self.thought, None
+        if item is None:
+            return []
+        index = len(self.items)
+        item["status"] = status
+        part = item["content"][0]
+        self.items.append(item)
+        return [self.event("response.reasoning_text.done", item_id=item["id"], output_index=index, content_index=0,
+                           text=part["text"]),
+                self.event("response.content_part.done", item_id=item["id"], output_index=index, content_index=0,
+                           part=part),
+                self.event("response.output_item.done", output_index=index, item=item)]

@@ -36,6 +36,8 @@ class Stored:
     reply: dict  # this turn's assistant message (content, tool_calls)
     end_token_text: str | None  # the text of the stop token the reply ended with (it is in the sequence)
     body: dict  # the response object, as GET returns it
+    template_kwargs: dict | None = None  # the chat template's extra variables its prompt was rendered with
+    input_items: list[dict] = field(default_factory=list)  # its request's input, as `input_items` lists it
     last_used: float = field(default_factory=time.monotonic)
 
     def history(self) -> list[dict]:

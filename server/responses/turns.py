@@ -45,6 +45,7 @@ class Turn:
     inputs: list[dict]
     instructions: str | None
     tools: Prompting | None
+    template_kwargs: dict | None = None  # the chat template's extra variables (the thinking switch)
 
     @property
     def input_tokens(self) -> int:
@@ -56,14 +57,15 @@ class Turn:
         return self.history + engine_cached if engine_cached > 0 else self.cached_before
 
 
-async def render(tokens: TokenizerService, messages: list[dict], prompting: Prompting | None) -> str:
+async def render(tokens: TokenizerService, messages: list[dict], prompting: Prompting | None,
+                 template_kwargs: dict | None = None) -> str:
     """The chat template's text for `messages` with the generation prompt (a 400 if the template refuses)."""
     if not tokens.has_chat_template:
         raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions with a plain "
                        "prompt instead", param="input")
     messages, tools = prompt_args(prompting, messages)
     tokens.check_length([str(m.get("content") or "") for m in messages], "input")
-    extra = {"tools": tools} if tools else {}
+    extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
     try:
         return await asyncio.to_thread(tokens.tok.apply_chat_template, messages, add_generation_prompt=True,
                                        tokenize=False, **extra)
@@ -72,13 +74,13 @@ async def render(tokens: TokenizerService, messages: list[dict], prompting: Prom
 
 
 async def glue_ids(tokens: TokenizerService, prev: Stored, instructions: str | None, tools: Prompting | None,
-                   inputs: list[dict]) -> list[int] | None:
+                   inputs: list[dict], template_kwargs: dict | None = None) -> list[int] | None:
     """The tokens that continue `prev`'s sequence with `inputs` as the next turn, or None if the template
     does not render the conversation as prev's prompt + reply + glue."""
     before = prev.history()[:-1]
-    prompt = await render(tokens, system(prev.instructions) + before, prev.tools)
+    prompt = await render(tokens, system(prev.instructions) + before, prev.tools, prev.template_kwargs)
     full = await render(tokens, system(instructions) + before + [{"role": "assistant", "content": MARK}] + inputs,
-                        tools)
+                        tools, template_kwargs)
     if not full.startswith(prompt + MARK) or MARK in full[len(prompt) + len(MARK):]:
         return None
     glue = full[len(prompt) + len(MARK):]
@@ -103,13 +105,14 @@ async def _engine(request: Request, work):
 
 async def plan(request: Request, ctx: ServerContext, store: ResponseStore, *, inputs: list[dict],
                instructions: str | None, tools: Prompting | None, prev: Stored | None, keep: bool,
-               max_tokens: int | None) -> tuple[Turn, int]:
+               max_tokens: int | None, template_kwargs: dict | None = None) -> tuple[Turn, int]:
     """Where this turn runs and what it appends (raises ClientGone if the client left while a sequence was
     made: nothing is left behind); returns the turn and its max_tokens."""
     engine = ctx.require_engine()
-    glue = None if prev is None else await glue_ids(ctx.tokens, prev, instructions, tools, inputs)
+    kwargs = template_kwargs or None
+    glue = None if prev is None else await glue_ids(ctx.tokens, prev, instructions, tools, inputs, kwargs)
     if glue is not None:
-        turn = Turn("fork", prev.seq_id, glue, prev.length, 0, prev, inputs, instructions, tools)
+        turn = Turn("fork", prev.seq_id, glue, prev.length, 0, prev, inputs, instructions, tools, kwargs)
         max_tokens = _fit(engine, turn, max_tokens)
         if keep and store.claim_tip(prev):
             turn.mode = "tip"
@@ -127,13 +130,13 @@ async def plan(request: Request, ctx: ServerContext, store: ResponseStore, *, in
         return turn, max_tokens
     earlier = prev.history() if prev is not None else []
     messages, template_tools = prompt_args(tools, system(instructions) + earlier + inputs)
-    ids = await ctx.tokens.encode_chat(messages, tools=template_tools)
+    ids = await ctx.tokens.encode_chat(messages, tools=template_tools, template_kwargs=kwargs)
     if not keep:
-        turn = Turn("plain", None, ids, 0, 0, prev, inputs, instructions, tools)
+        turn = Turn("plain", None, ids, 0, 0, prev, inputs, instructions, tools, kwargs)
         return turn, _fit(engine, turn, max_tokens)
     # A new sequence holding the first token; the rest is this turn's prompt, so the prefix cache can
     # serve it (and the engine report what it served) as for any request.
-    turn = Turn("new", None, ids[1:], 1, 0, prev, inputs, instructions, tools)
+    turn = Turn("new", None, ids[1:], 1, 0, prev, inputs, instructions, tools, kwargs)
     max_tokens = _fit(engine, turn, max_tokens)
     info = await _engine(request, engine.create_sequence(ids[:1]))
     turn.seq_id = info.seq_id

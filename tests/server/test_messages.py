@@ -122,7 +122,7 @@ def test_errors_have_anthropic_shape(srv, client):
         check(c.post("/v1/messages", json={"messages": ok["messages"]}), 400, "invalid_request_error")
         check(c.post("/v1/messages", json={**ok, "messages": [{"role": "user", "content": [
             {"type": "image", "source": {"type": "base64", "data": ""}}]}]}), 400, "invalid_request_error")
-        check(c.post("/v1/messages", json={**ok, "thinking": {"type": "enabled", "budget_tokens": 1024}}), 400,
+        check(c.post("/v1/messages", json={**ok, "thinking": {"type": "sometimes"}}), 400,
               "invalid_request_error")
         check(c.post("/v1/messages", json={**ok, "tool_choice": {"type": "tool", "name": "nope"}, "tools": TOOLS}),
               400, "invalid_request_error")

@@ -163,8 +163,31 @@ def test_store_is_bounded(model_dir):
         assert len(sequences(srv)) == 2  # the forgotten response's sequence was deleted
 
 
+def test_input_items_listed_and_paginated(srv, client):
+    items = [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+             {"type": "message", "id": "msg_mine", "role": "assistant", "content": "Hello"},
+             {"role": "user", "content": [{"type": "input_text", "text": "Who?"}]}]
+    r = client.responses.create(model="m", input=items, **GREEDY)
+    newest_first = list(client.responses.input_items.list(r.id, limit=3))  # the SDK follows after= pages
+    assert [(i.role, i.content[0].text) for i in newest_first] == [
+        ("user", "Who?"), ("assistant", "Hello"), ("user", "Hi"), ("developer", "Be brief.")]
+    assert newest_first[1].id == "msg_mine" and newest_first[1].content[0].type == "output_text"
+    assert newest_first[0].content[0].type == "input_text" and len({i.id for i in newest_first}) == 4
+    first = client.responses.input_items.list(r.id, order="asc", limit=2)
+    assert [i.content[0].text for i in first.data] == ["Be brief.", "Hi"] and first.has_more
+    rest = client.responses.input_items.list(r.id, order="asc", after=first.data[-1].id)
+    assert [i.content[0].text for i in rest.data] == ["Hello", "Who?"] and not rest.has_more
+    with pytest.raises(openai.BadRequestError) as err:
+        client.responses.input_items.list(r.id, after="nope")
+    assert err.value.body["param"] == "after"
+    with pytest.raises(openai.BadRequestError):
+        client.responses.input_items.list(r.id, limit=101)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.input_items.list("resp_missing")
+
+
 def test_refused_and_invalid_requests(srv, client):
-    cases = [({"input": "x", "reasoning": {"effort": "high"}}, "reasoning"),
+    cases = [({"input": "x", "reasoning": {"effort": "extreme"}}, "reasoning.effort"),
              ({"input": [{"type": "input_image", "image_url": "x"}]}, "input[0]"),
              ({"input": [{"role": "user", "content": [{"type": "input_file", "file_id": "f"}]}]}, "input[0]"),
              ({"input": "x", "tool_choice": "required"}, "tool_choice"),

@@ -83,6 +83,12 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="the longest draft a sequence carries into one step (1-16)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="turn automatic prefix sharing off (finished requests free their cells at once)")
+    p.add_argument("--state-dir", default=None,
+                   help="keep persistent sequences (tokens, and idle ones' KV cells) in this folder and restore them "
+                        "on start; default: memory only")
+    p.add_argument("--state-max-bytes", type=parse_size, default=None,
+                   help="cap on the state dir's cell files, e.g. 20GiB: least recently used fork families drop "
+                        "their cells (tokens kept, recomputed when used)")
     p.add_argument("--max-body-bytes", type=parse_size, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body accepted (413 beyond, unread), e.g. 8MiB")
     p.add_argument("--max-header-bytes", type=parse_size, default=DEFAULT_MAX_HEADER_BYTES,
@@ -92,6 +98,7 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="prompts in one completions request (400 beyond)")
     p.add_argument("--max-choices", type=_positive_int, default=DEFAULT_MAX_CHOICES,
                    help="choices (prompts x n) in one request (400 beyond)")
+    p.add_argument("--no-ui", action="store_true", help="do not serve the chat page at / (GET / is then 404)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     scale = p.add_argument_group("scale-out on Ray Serve (pip install 'cellserve[ray]')")
     scale.add_argument("--replicas", type=_positive_int, default=None,
@@ -118,7 +125,8 @@ def run_server(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     app = build_app(engine_factory(args), served_model_name=args.served_model_name, api_key=args.api_key,
-                    shutdown_grace_s=args.shutdown_grace, on_fatal=on_fatal, limits=limits_of(args))
+                    shutdown_grace_s=args.shutdown_grace, on_fatal=on_fatal, limits=limits_of(args),
+                    ui=not args.no_ui)
     ctx = app.state.ctx
     idle_trim_from_env(ctx._stats)  # opt-in malloc_trim when idle (server/memory.py)
 
@@ -140,7 +148,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=max(1, int(args.shutdown_grace)),
-                            **uvicorn_options(ctx.limits))  # header limits, JSON refusals, lingering close
+                            # header limits, JSON refusals, lingering close; refusals counted in /metrics
+                            **uvicorn_options(ctx.limits, ctx.metrics.count_edge_refusal))
     server = DrainingServer(config)
     log.info("cellserve listening on http://%s:%d (model loads in the background; GET /health is 503 "
              "until it is ready)", args.host, args.port)
@@ -226,6 +235,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("pull", "models"):
         return pull_command(args.name, args.dtype) if args.command == "pull" else models_command()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if args.replicas is not None and args.state_dir is not None:
+        parser.error("--state-dir does not work with --replicas yet (replicas would share one folder); use one")
     if args.replicas is not None:  # Ray is imported only here (an optional extra)
         from server.ray_serve.launch import run_replicated
 

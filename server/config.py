@@ -32,7 +32,8 @@ def engine_args_of(args: argparse.Namespace) -> EngineArgs:
                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       max_queue=args.max_queue, seq_ttl_s=args.seq_ttl, threads=args.threads,
                       attention=args.attention, prefix_caching=not args.no_prefix_cache,
-                      speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens)
+                      speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                      state_dir=args.state_dir, state_max_bytes=args.state_max_bytes)
 
 
 def engine_factory(args: argparse.Namespace) -> Callable[[], object]:

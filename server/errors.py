@@ -20,11 +20,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from engine.api.errors import (
     EngineError,
     EngineUnavailable,
+    IncompatibleState,
     PromptTooLong,
     QueueFull,
     RequestNotFound,
     SequenceBusy,
     SequenceNotFound,
+    StorageFull,
 )
 
 log = logging.getLogger("cellserve.server")
@@ -43,6 +45,7 @@ ERROR_TYPES = {
     500: "server_error",
     501: "invalid_request_error",  # an HTTP method the server does not know (server.http_edge)
     503: "unavailable_error",
+    507: "server_error",  # the state dir refused a save (disk full)
 }
 RETRY_AFTER_S = 1
 # The one place an engine error becomes an HTTP status (subclasses inherit; anything else is a 400).
@@ -53,6 +56,8 @@ ENGINE_STATUS: dict[type[EngineError], int] = {
     PromptTooLong: 400,  # OpenAI's and vLLM's answer to a context overflow (clients look for a 400)
     QueueFull: 429,
     EngineUnavailable: 503,
+    IncompatibleState: 409,  # an archive of another model: it conflicts with the model this server runs
+    StorageFull: 507,  # a save the state dir refused; nothing was lost
 }
 
 
@@ -81,6 +86,7 @@ ERROR_RESPONSES: dict[int | str, dict] = {
         (429, "waiting queue full; retry after Retry-After seconds"),
         (500, "internal error (a bug; logged)"),
         (503, "loading, shutting down, or the engine stopped"),
+        (507, "the state dir refused a save (disk full); the sequence is intact in memory"),
     )
 }
 

@@ -39,6 +39,10 @@ class EngineArgs:
     # default (the oracle suite runs with "ngram" forced on).
     speculative: str | None = field(default_factory=lambda: os.environ.get("CELLSERVE_SPECULATIVE") or "auto")
     num_speculative_tokens: int = 4  # the longest draft a sequence carries into one step
+    # Durable sequences (engine/core/state/): every persistent sequence's tokens are written to this folder on
+    # every change and its KV cells when it goes idle; a new engine on the same folder restores them. None: RAM only.
+    state_dir: str | Path | None = None
+    state_max_bytes: int | None = None  # cell files beyond this: least recently used families drop theirs
 
     def __post_init__(self):
         if self.speculative not in SPECULATIVE_METHODS:

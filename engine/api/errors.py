@@ -54,3 +54,17 @@ class EngineUnavailable(EngineError):
 
 class ModelSourceError(ValueError):
     """A model could not be found, fetched or converted; the message says why and what to do."""
+
+
+class StorageFull(EngineError):
+    """The state directory could not take a write (disk full, read-only, quota): the sequence is intact in
+    memory and its last saved state on disk is untouched; free space and save again."""
+
+    code = "insufficient_storage"
+
+
+class IncompatibleState(EngineError):
+    """Saved state (an archive, cell files) was written by another model, dtype or KV layout, or is not a
+    cellserve archive at all: import it into a server running the model that wrote it."""
+
+    code = "incompatible_state"

@@ -6,6 +6,7 @@ set one: a scale-out replica (server/ray_serve) marks every id it makes with its
 send later requests on that id back to the replica that holds it.
 """
 
+import re
 import uuid
 
 _tag = ""
@@ -19,3 +20,12 @@ def set_tag(tag: str) -> None:
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{_tag}{uuid.uuid4().hex}"
+
+
+_ID_RE = re.compile(r"[a-z]{1,16}-[A-Za-z0-9-]{1,128}")
+
+
+def is_valid_id(text: object, prefix: str) -> bool:
+    """Whether `text` has the shape of an id this scheme makes with `prefix` (`seq-<tag><hex>`): letters,
+    digits and dashes only, so an id read from a file or an archive can never name a path or carry markup."""
+    return isinstance(text, str) and text.startswith(f"{prefix}-") and _ID_RE.fullmatch(text) is not None

@@ -224,6 +224,56 @@ class CellCache(Cache):
         self._n_used -= n_freed
         return n_freed
 
+    def seq_read(self, seq_id: int, p0: int, p1: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `seq_id`'s cells for positions [p0, p1), in position order: `[n_layers, n_kv_heads,
+        p1 - p0, head_dim]` each, copies on the host (what a saved sequence writes to disk). `seq_id` must
+        hold every one of those positions."""
+        self._check_between_steps("seq_read")
+        cells = self._cells_at(seq_id, p0, p1)
+        if not self.layers[0].is_initialized:
+            raise CellCacheError("no forward has run yet: the pools hold no K/V to read")
+        keys = torch.cat([layer.keys.index_select(2, cells.to(self.device)) for layer in self.layers])
+        values = torch.cat([layer.values.index_select(2, cells.to(self.device)) for layer in self.layers])
+        return keys.cpu(), values.cpu()
+
+    def seq_load(self, seq_id: int, p0: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Restore: `seq_id` claims the lowest free cells for positions [p0, p0 + n) and they take `keys`,
+        `values` (`[n_layers, n_kv_heads, n, head_dim]`, as `seq_read` gives them), so the sequence continues
+        as if it had computed them. Allocates the pools on first use (restore before any forward).
+        Raises before claiming anything if the shapes do not fit the pools, `seq_id` already holds one of
+        those positions, or fewer than n cells are free (`CacheFull`)."""
+        self._check_between_steps("seq_load")
+        self._check_slot(seq_id, "seq_id")
+        n = keys.shape[2]
+        if keys.dim() != 4 or values.dim() != 4 or keys.shape[:3] != values.shape[:3] or keys.shape[0] != len(self.layers):
+            raise CellCacheError(f"seq_load takes [n_layers={len(self.layers)}, heads, n, head_dim] K and V, "
+                                 f"got {tuple(keys.shape)} and {tuple(values.shape)}")
+        layer0 = self.layers[0]
+        if layer0.is_initialized and (keys.shape[1:2] + keys.shape[3:] != layer0.keys.shape[1:2] + layer0.keys.shape[3:]
+                                      or values.shape[3] != layer0.values.shape[3] or keys.dtype != layer0.dtype):
+            raise CellCacheError(f"K/V of shape {tuple(keys.shape)} ({keys.dtype}) do not fit pools of "
+                                 f"{tuple(layer0.keys.shape)} ({layer0.dtype}): they come from another model")
+        if n == 0:
+            return
+        if (self.owner[seq_id, : self.read_len] & (self.pos[: self.read_len] >= p0)
+                & (self.pos[: self.read_len] < p0 + n)).any():
+            raise CellCacheError(f"seq {seq_id} already holds a position in [{p0}, {p0 + n}): seq_rm it first")
+        free = torch.nonzero(self.n_owners == 0).squeeze(1)
+        if free.numel() < n:
+            raise CacheFull(n, int(free.numel()))
+        cells = free[:n]
+        for i, layer in enumerate(self.layers):
+            if not layer.is_initialized:
+                layer.lazy_initialization(keys[i : i + 1, :, :1].to(self.device), values[i : i + 1, :, :1].to(self.device))
+            dev_cells = cells.to(self.device)
+            layer.keys.index_copy_(2, dev_cells, keys[i : i + 1].to(self.device, layer.dtype))
+            layer.values.index_copy_(2, dev_cells, values[i : i + 1].to(self.device, layer.dtype))
+        self.owner[seq_id, cells] = True
+        self.n_owners[cells] = 1
+        self.pos[cells] = torch.arange(p0, p0 + n)
+        self.read_len = max(self.read_len, int(cells[-1]) + 1)
+        self._n_used += n
+
     def take_layer(self, layer_idx: int) -> StepPlan:
         """Called by each layer's `update`: the current plan, once per layer per step."""
         if self.plan is None:
@@ -273,6 +323,16 @@ class CellCache(Cache):
                 f"seq {int(seq_ids[i])} already holds position {int(positions[i])}: "
                 "seq_rm it first (truncate) or use next_pos()"
             )
+
+    def _cells_at(self, seq_id: int, p0: int, p1: int) -> torch.Tensor:
+        """The cells `seq_id` holds for positions [p0, p1), ordered by position (all of them, or it raises)."""
+        self._check_slot(seq_id, "seq_id")
+        r = self.read_len
+        sel = self.owner[seq_id, :r] & self._pos_range(p0, p1)
+        cells = torch.nonzero(sel).squeeze(1)
+        if cells.numel() != p1 - p0:
+            raise CellCacheError(f"seq {seq_id} holds {cells.numel()} of the positions [{p0}, {p1}), not all")
+        return cells[self.pos[cells].argsort()]
 
     def _pos_range(self, p0: int, p1: int | None) -> torch.Tensor:
         key_pos = self.pos[: self.read_len]

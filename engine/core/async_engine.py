@@ -208,6 +208,19 @@ class AsyncEngine:
         return await self._call(lambda: [self.engine.sequence_info(s) for s in list(self.engine.sequences)],
                                 check_accepting=False)
 
+    async def save_sequence(self, seq_id: str) -> SequenceInfo:
+        """Write the sequence and its cells to the state dir now; StorageFull (nothing lost) if the disk refuses."""
+        return await self._call(lambda: self.engine.save_sequence(seq_id), check_accepting=False)
+
+    async def export_sequences(self, seq_id: str, family: bool = False) -> bytes:
+        """A portable archive of the sequence (or its whole fork family): one safetensors file."""
+        return await self._call(lambda: self.engine.export_sequences(seq_id, family), check_accepting=False)
+
+    async def import_sequences(self, blob: bytes) -> list[SequenceInfo]:
+        """An archive's sequences as new sequences here (same model only); deleted again if the caller leaves."""
+        return await self._call(lambda: [self.engine.sequence_info(i) for i in self.engine.import_sequences(blob)],
+                                undo=lambda infos: [self._delete_quietly(i.seq_id) for i in infos])
+
     async def cached_prefix_cells(self) -> int:
         """Cells held only by cached prefixes (evictable on demand), counted on the loop thread."""
         return await self._call(self.engine.scheduler.cached_prefix_cells, check_accepting=False)

@@ -8,6 +8,7 @@ cancel, delete, truncate) are plain method calls made between steps: admission r
 (engine/core/async_engine.py) runs this on a thread and queues the commands to the step boundary.
 """
 
+import functools
 import logging
 import time
 
@@ -27,6 +28,8 @@ from engine.core.prompt_logprobs import take_prompt_logprobs
 from engine.core.scheduler import Chunk, Scheduler
 from engine.core.sequence import Request, Sequence
 from engine.core.speculative import SpeculativeDecoder
+from engine.core.state.identity import identity_of
+from engine.core.state.store import DurableStore
 from engine.loader.source import resolve_args
 from engine.model.flat_step import FlatStep, flatten_step
 from engine.model.runner import ModelRunner
@@ -55,9 +58,9 @@ class Engine:
                                    prefill_backlog_ticks=cfg.prefill_backlog_ticks)
         self.sampler = Sampler()
         self.requests: dict[str, Request] = {}
-        self.persistent = SequenceTable(self.scheduler)
         self.eos_ids = _eos_ids(runner)
         self.vocab_size = runner.config.get_text_config().vocab_size
+        self.persistent = _sequence_table(self.scheduler, runner, cfg, self.vocab_size)
         self.admission = Admission(runner.max_model_len, self.cache.n_cells, self.config.max_queue,
                                    self.vocab_size, self.tokenizer, self.eos_ids)
         self.outputs = OutputProcessor(self.scheduler, self.requests, self.eos_ids)
@@ -133,7 +136,7 @@ class Engine:
         req = self.requests.get(request_id)
         if req is None:
             return False
-        self.outputs.cancel(req)
+        self._settle([self.outputs.cancel(req)])
         return True
 
     # ----- persistent sequences (engine.core.persistent) -------------------------------------------
@@ -162,6 +165,18 @@ class Engine:
     def sequence_info(self, seq_id: str) -> SequenceInfo:
         return self.persistent.info(seq_id)
 
+    def save_sequence(self, seq_id: str) -> SequenceInfo:
+        """Write the sequence and its cells to the state dir now (StorageFull if the disk refuses)."""
+        return self.persistent.save(seq_id)
+
+    def export_sequences(self, seq_id: str, family: bool = False) -> bytes:
+        """A portable archive (safetensors) of the sequence, or of its whole fork family."""
+        return self.persistent.export(seq_id, family)
+
+    def import_sequences(self, blob: bytes) -> list[str]:
+        """An archive's sequences as new persistent sequences here (same model only); their ids."""
+        return self.persistent.import_archive(blob, self.vocab_size)
+
     def expire_idle(self, now: float | None = None) -> list[str]:
         """Delete persistent sequences idle for longer than the TTL; return their ids."""
         expired = self.persistent.idle_longer_than(self.config.seq_ttl_s, time.monotonic() if now is None else now)
@@ -181,7 +196,7 @@ class Engine:
         chunks = self.scheduler.schedule()
         self.outputs.finish_prefills(outputs)
         if not chunks:
-            return outputs
+            return self._settle(outputs)
         sample_chunks = [c for c in chunks if c.completes and c.seq.wants_logits]
         prompt_rows = plp_rows(chunks)
         try:
@@ -189,7 +204,7 @@ class Engine:
         except Exception as exc:  # one bad step fails its requests, never the engine
             log.exception("forward failed; failing the %d sequences of this step", len(chunks))
             self.outputs.fail_step(chunks, exc, outputs)
-            return outputs
+            return self._settle(outputs)
         self.steps += 1
         for c in chunks:
             self.scheduler.set_cached(c.seq, c.seq.n_cached + c.n_tokens)
@@ -212,9 +227,17 @@ class Engine:
             for req, choices in news.items():
                 outputs.append(self.outputs.emit(req, choices))
         self.outputs.finish_prefills(outputs)
-        return outputs
+        return self._settle(outputs)
 
     # ----- internals -------------------------------------------------------------------------
+    def _settle(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Requests on persistent sequences that ended this tick: the sequences go to the state dir (if any)
+        before their last output leaves the engine, so an acknowledged generation survives a crash."""
+        for out in outputs:
+            if out.finished and out.seq_id is not None:
+                self.persistent.settled(out.seq_id)
+        return outputs
+
     def _start(self, req: Request, seq: Sequence, index: int) -> None:
         seq.request, seq.index, seq.gen_start = req, index, len(seq.token_ids)
         seq.finish_reason = seq.error = None
@@ -321,6 +344,19 @@ def _flatten(chunks: list[Chunk], sample_chunks: list[Chunk], prompt_rows: dict[
     rows = [last[pick], *drafted, *extra]
     step.logits_indices = torch.cat(rows) if pick or drafted or extra else last[[0]]
     return step
+
+
+def _sequence_table(scheduler: Scheduler, runner: ModelRunner, cfg: EngineArgs, vocab_size: int) -> SequenceTable:
+    """The persistent sequences: in memory, or, with `state_dir`, on disk too and restored from it."""
+    identity = functools.cache(lambda: identity_of(runner))
+    if cfg.state_dir is None:
+        return SequenceTable(scheduler, identity=identity)
+    started = time.perf_counter()
+    table = SequenceTable(scheduler, DurableStore(cfg.state_dir, identity(), cfg.state_max_bytes), identity)
+    n_seqs, n_cells = table.restore(vocab_size)
+    log.info("state dir %s: restored %d sequences (%d tokens with their saved cells) in %.2f s",
+             cfg.state_dir, n_seqs, n_cells, time.perf_counter() - started)
+    return table
 
 
 def _eos_ids(runner: ModelRunner) -> list[int]:

@@ -175,6 +175,30 @@ class Scheduler:
             self.remove(child)
             self.add_running(child)
 
+    # ----- restore (engine/core/state): cells that come from disk, not from a forward ---------------
+    def share_longest(self, seq: Sequence, limit: int) -> int:
+        """`seq` (idle) also owns the longest prefix, up to `limit` tokens, that any holder has cells for,
+        as a fork would (no copy): a restored family's common prefix lands in the pool once. Returns
+        `seq.n_cached`."""
+        holder, m = self.prefix.longest(seq.token_ids, limit) if len(self.prefix) else (None, 0)
+        if holder is not None and holder is not seq and m > seq.n_cached and self.acquire_slot(seq, keep=holder):
+            self.share(holder, seq, m)
+        return seq.n_cached
+
+    def load_cells(self, seq: Sequence, keys, values) -> bool:
+        """`seq` (idle) gains cells for positions [n_cached, n_cached + n) holding saved K/V (`CellCache.seq_load`).
+        False, changing nothing, when the pool has no n free cells or no slot: it then prefills when it runs."""
+        n = keys.shape[2]
+        if not self.cache.can_extend(n) or not self.acquire_slot(seq):
+            return False
+        self.cache.seq_load(seq.slot, seq.n_cached, keys, values)
+        self.set_cached(seq, seq.n_cached + n)
+        return True
+
+    def read_cells(self, seq: Sequence, p0: int, p1: int):
+        """(K, V) of `seq`'s cells for positions [p0, p1) (`CellCache.seq_read`), for saving them."""
+        return self.cache.seq_read(seq.slot, p0, p1)
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """A choice ended (`reason` is its finish reason): a persistent sequence goes idle and keeps its
         cells but the last token's (see `Sequence.cache_target`); a failed one drops its cells (a failed

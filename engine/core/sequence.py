@@ -36,6 +36,7 @@ class Sequence:
     token_ids: list[int]
     persistent: bool = False
     parent: str | None = None
+    fork_at: int | None = None  # tokens it took from `parent` when forked (kept on disk with --state-dir)
     slot: int | None = None
     n_cached: int = 0
     status: SeqStatus = SeqStatus.IDLE

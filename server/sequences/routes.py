@@ -32,6 +32,7 @@ from server.sequences.protocol import (
 from server.state import ServerContext
 
 router = APIRouter()
+ARCHIVE_TYPE = "application/octet-stream"
 
 
 @router.post("/v1/sequences", response_model=None)
@@ -110,6 +111,33 @@ async def _delete_if_made(engine, work: asyncio.Future) -> None:
 async def truncate_sequence(seq_id: str, body: TruncateRequest, request: Request) -> dict:
     engine = ServerContext.of(request).require_engine()
     return sequence_view(await engine.truncate(seq_id, body.length))
+
+
+@router.post("/v1/sequences/{seq_id}/save")
+async def save_sequence(seq_id: str, request: Request) -> dict:
+    """Write the sequence and its cells to --state-dir now (507 if the disk refuses; nothing is lost)."""
+    engine = ServerContext.of(request).require_engine()
+    return {**sequence_view(await engine.save_sequence(seq_id)), "saved": True}
+
+
+@router.get("/v1/sequences/{seq_id}/export", response_class=Response,
+            responses={200: {"content": {ARCHIVE_TYPE: {}}, "description": "a safetensors archive"}})
+async def export_sequence(seq_id: str, request: Request, family: bool = False) -> Response:
+    """A portable archive of the sequence (with ?family=true: its whole fork family) for POST /v1/sequences/import."""
+    engine = ServerContext.of(request).require_engine()
+    blob = await engine.export_sequences(seq_id, family)
+    name = f"{seq_id}{'-family' if family else ''}.safetensors"
+    return Response(blob, media_type=ARCHIVE_TYPE, headers={"Content-Disposition": f'attachment; filename="{name}"'})
+
+
+@router.post("/v1/sequences/import")
+async def import_sequences(request: Request) -> dict:
+    """The archive in the body becomes sequences here (same model only, else 409): each keeps its id when it
+    is free here, else gets a new one (forks follow their parent's); answers the sequences, oldest first."""
+    engine = ServerContext.of(request).require_engine()
+    blob = await request.body()
+    infos = await engine.import_sequences(blob)
+    return {"object": "list", "data": [sequence_view(i) for i in infos]}
 
 
 @router.delete("/v1/sequences/{seq_id}")

@@ -1,0 +1,94 @@
+"""CellFiles: saved KV cells as content-addressed chunks under `DIR/cells/`, one safetensors file each.
+
+A sequence's cells for positions [0, n) are cut at fixed boundaries into chunks of `CHUNK` tokens (the last
+one shorter). A chunk's key hashes the model identity and *every* token up to its end (a chained hash), so
+two sequences whose tokens agree up to a chunk's end name the same file: a fork family's common prefix,
+or any two conversations that share a prompt, is written once. A file holds `k` and `v`
+(`[n_layers, n_kv_heads, n, head_dim]`) and, in its header, the `ModelIdentity` that computed them; a
+reader refuses a file whose identity differs (`IncompatibleState`), so K/V of another model or dtype never
+reach the pool. Files are written atomically (`write_atomic`); deleting them is the store's call (it
+counts which records use each key).
+"""
+
+import hashlib
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save as st_save
+
+from engine.api.errors import IncompatibleState
+from engine.core.state.identity import ModelIdentity
+from engine.core.state.sequence_files import TMP_SUFFIX, write_atomic
+
+log = logging.getLogger("cellserve.state")
+CHUNK = 64  # tokens per chunk file: a family's branches differ in at most their last chunk of the prefix
+
+
+def chunk_spans(identity: ModelIdentity, token_ids: list[int], n: int) -> list[tuple[str, int, int]]:
+    """(key, start, end) of the chunks covering tokens [0, n), in position order."""
+    h = hashlib.sha256(identity.to_json().encode())
+    spans = []
+    for a in range(0, n, CHUNK):
+        b = min(a + CHUNK, n)
+        h.update(np.asarray(token_ids[a:b], dtype="<i8").tobytes())
+        end = h.copy()
+        end.update(b"|%d" % b)
+        spans.append((end.hexdigest()[:40], a, b))
+    return spans
+
+
+def chunk_bounds(n: int) -> list[tuple[int, int]]:
+    return [(a, min(a + CHUNK, n)) for a in range(0, n, CHUNK)]
+
+
+def encode_chunk(identity: ModelIdentity, keys: torch.Tensor, values: torch.Tensor) -> bytes:
+    return st_save({"k": keys.contiguous(), "v": values.contiguous()}, metadata={"identity": identity.to_json()})
+
+
+class CellFiles:
+    """Chunk files by key, and their sizes (for `--state-max-bytes`)."""
+
+    def __init__(self, root: Path, identity: ModelIdentity):
+        self.dir = root / "cells"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.identity = identity
+        for tmp in self.dir.glob(f".*{TMP_SUFFIX}"):
+            tmp.unlink(missing_ok=True)
+        self.sizes = {p.stem: p.stat().st_size for p in self.dir.glob("*.safetensors")}
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.sizes.values())
+
+    def has(self, key: str) -> bool:
+        return key in self.sizes
+
+    def write(self, key: str, keys: torch.Tensor, values: torch.Tensor) -> None:
+        data = encode_chunk(self.identity, keys, values)
+        write_atomic(self._path(key), data)
+        self.sizes[key] = len(data)
+
+    def read(self, key: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k, v) of chunk `key`; IncompatibleState if another model wrote it, OSError if it is gone."""
+        path = self._path(key)
+        try:
+            with safe_open(str(path), "pt") as f:
+                theirs = (f.metadata() or {}).get("identity")
+                why = self.identity.differs(ModelIdentity.from_json(theirs)) if theirs else "no identity in its header"
+                if why:
+                    raise IncompatibleState(f"cell file {path.name} was written by another model: {why}")
+                return f.get_tensor("k"), f.get_tensor("v")
+        except (IncompatibleState, OSError):
+            raise
+        except (SafetensorError, ValueError, KeyError, RuntimeError) as exc:  # torn or foreign: bad header, JSON, tensors
+            raise IncompatibleState(f"cell file {path.name} is unreadable ({type(exc).__name__}: {exc})") from None
+
+    def delete(self, key: str) -> None:
+        self._path(key).unlink(missing_ok=True)
+        self.sizes.pop(key, None)
+
+    def _path(self, key: str) -> Path:
+        return self.dir / f"{key}.safetensors"

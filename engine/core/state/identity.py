@@ -1,0 +1,54 @@
+"""The identity saved cells are valid for: which weights computed them, in which dtype and KV layout.
+
+K/V computed by one model mean nothing to another (or to the same model in another dtype), so every cell
+file and archive carries `ModelIdentity` in its header and a reader refuses any that differs. The weights'
+fingerprint hashes the config and, for every tensor of the state dict, its name, shape, dtype and an evenly
+strided sample of its values (at most `SAMPLE` elements): milliseconds even for a large model, and any
+retrained or differently quantized checkpoint differs in its samples.
+"""
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+
+import torch
+
+SAMPLE = 1024
+
+
+@dataclass(frozen=True)
+class ModelIdentity:
+    weights: str  # hex fingerprint of config + weights
+    dtype: str  # the K/V pools' dtype, e.g. "torch.float32"
+    layout: str  # "<layers>x<kv heads>x<head dim k>/<head dim v>"
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ModelIdentity":
+        doc = json.loads(text)
+        return cls(str(doc["weights"]), str(doc["dtype"]), str(doc["layout"]))
+
+    def differs(self, other: "ModelIdentity") -> str | None:
+        """None when the same; else which part differs, said for a log line or an error."""
+        for name in ("weights", "dtype", "layout"):
+            if getattr(self, name) != getattr(other, name):
+                return f"{name} {getattr(other, name)} (file) vs {getattr(self, name)} (this engine)"
+        return None
+
+
+def identity_of(runner) -> ModelIdentity:
+    """The identity of `runner`'s model and cell pools (a `ModelRunner`)."""
+    h = hashlib.sha256(runner.config.to_json_string(use_diff=False).encode())
+    for name, t in sorted(runner.model.state_dict().items()):
+        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+        if t.device.type != "meta" and t.numel():
+            flat = t.detach().reshape(-1)
+            h.update(flat[:: max(1, flat.numel() // SAMPLE)][:SAMPLE].contiguous().cpu().view(torch.uint8).numpy())
+    cfg = runner.config.get_text_config()
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    layout = f"{cfg.num_hidden_layers}x{kv_heads}x{head_dim}/{head_dim}"
+    return ModelIdentity(h.hexdigest()[:32], str(runner.dtype), layout)

@@ -30,6 +30,7 @@ import asyncio
 import json
 import logging
 import re
+from collections.abc import Callable
 from typing import Any
 
 from server.errors import error_body
@@ -79,6 +80,7 @@ class EdgeProtocol(HttpToolsProtocol):  # type: ignore[misc,valid-type]
     """uvicorn's httptools protocol with head limits, JSON refusals and lingering close (module doc)."""
 
     limits: Limits = Limits()  # set per server by `uvicorn_options`
+    on_refusal: Callable[[int], None] | None = None  # told each refusal's status (the server's metrics)
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
@@ -182,6 +184,8 @@ class EdgeProtocol(HttpToolsProtocol):  # type: ignore[misc,valid-type]
     def _refuse(self, refusal: _Refused) -> None:
         """Answer before the app: JSON error, `Connection: close`, then the lingering close."""
         log.info("refused before the app: %d %s", refusal.status, refusal.message)  # as a 4xx, not a fault
+        if self.on_refusal is not None:
+            self.on_refusal(refusal.status)
         if self._raw is None or self._raw.is_closing():
             return
         cycle = self.cycle
@@ -233,9 +237,10 @@ def _refusal(exc: Exception, data: bytes) -> _Refused:
     return _Refused(400, f"malformed HTTP request ({reason})", "invalid_http_request")
 
 
-def uvicorn_options(limits: Limits) -> dict[str, Any]:
-    """The `uvicorn.Config` keywords that put this edge in front of the app (`server.cli.run_server`)."""
+def uvicorn_options(limits: Limits, on_refusal: Callable[[int], None] | None = None) -> dict[str, Any]:
+    """The `uvicorn.Config` keywords that put this edge in front of the app (`server.cli.run_server`);
+    `on_refusal(status)` is called for each request the edge refuses (the app never sees those)."""
     if httptools is None:
         return {"http": "h11", "h11_max_incomplete_event_size": limits.max_header_bytes}
-    protocol = type("EdgeProtocol", (EdgeProtocol,), {"limits": limits})
+    protocol = type("EdgeProtocol", (EdgeProtocol,), {"limits": limits, "on_refusal": staticmethod(on_refusal)})
     return {"http": protocol}

@@ -79,9 +79,15 @@ class ServerMetrics:
         self.errors = Counter("cellserve:request_errors",
                               "Requests answered with an error, by HTTP status (/health probes excluded).",
                               ["status"], registry=reg)
+        self.edge_refusals = Counter("cellserve:http_edge_refusals",
+                                     "Requests refused by the HTTP edge before the app saw them (head too large, "
+                                     "malformed, unknown method), by HTTP status.", ["status"], registry=reg)
         reg.register(EngineCollector(stats))
         # process_resident_memory_bytes, open fds, CPU seconds, start time (Linux /proc; nothing elsewhere)
         ProcessCollector(registry=reg)
+
+    def count_edge_refusal(self, status: int) -> None:
+        self.edge_refusals.labels(status=str(status)).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

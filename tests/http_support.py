@@ -60,7 +60,8 @@ class LiveServer:
         self.port = self.sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         config = uvicorn.Config(self.app, log_level="warning", timeout_keep_alive=KEEP_ALIVE_S,
-                                timeout_graceful_shutdown=int(grace_s) + 1, **uvicorn_options(self.ctx.limits))
+                                timeout_graceful_shutdown=int(grace_s) + 1,
+                                **uvicorn_options(self.ctx.limits, self.ctx.metrics.count_edge_refusal))
         self.server = uvicorn.Server(config)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]}, daemon=True)
         self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}

@@ -194,3 +194,22 @@ def test_metrics_expose_the_process_rss(srv):
     rss = [line for line in text.splitlines() if line.startswith("process_resident_memory_bytes ")]
     assert rss and float(rss[0].split()[1]) > 10 * 2**20
     assert any(line.startswith("process_open_fds ") for line in text.splitlines())
+
+
+def edge_refusals(srv: LiveServer) -> dict[str, float]:
+    with srv.client() as c:
+        text = c.get("/metrics").text
+    prefix = 'cellserve:http_edge_refusals_total{status="'
+    return {line[len(prefix):].split('"')[0]: float(line.split()[-1])
+            for line in text.splitlines() if line.startswith(prefix)}
+
+
+def test_edge_refusals_are_counted_in_metrics_by_status(srv):
+    """The app never sees what the edge refuses, so its error counter cannot count them: the edge does."""
+    before = edge_refusals(srv)
+    exchange(srv.port, b"BREW /pot HTTP/1.1\r\nHost: x\r\n\r\n")
+    exchange(srv.port, b"GET /v1/models?q=" + b"a" * 100_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    exchange(srv.port, b"GET /v1/models?q=" + b"a" * 100_000 + b" HTTP/1.1\r\nHost: x\r\n\r\n")
+    after = edge_refusals(srv)
+    assert after.get("501", 0) - before.get("501", 0) == 1
+    assert after.get("414", 0) - before.get("414", 0) == 2

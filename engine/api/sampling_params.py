@@ -113,7 +113,8 @@ class SamplingParams:
     - `allowed_token_ids`: only these ids can be sampled (None: all).
     - `bad_words_ids`: token sequences that are never completed: a one-token word is never sampled;
       a longer one's last token is masked when the output ends with the rest of it.
-    `priority` (lower first, vLLM's convention) is carried for the scheduler; it does not yet reorder.
+    `priority` (lower first, vLLM's convention): the scheduler admits waiting requests in (priority,
+    arrival) order and preempts the running request of the highest value first (engine/core/scheduler.py).
     """
 
     max_tokens: int = 16

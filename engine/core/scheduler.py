@@ -4,9 +4,15 @@ Each tick builds one flat step: a decode token for every running sequence, then 
 (chunked prefill, mixed with the decodes) of running-but-unfinished and waiting sequences, up to
 `max_num_batched_tokens` tokens and `max_num_seqs` sequences. Admission is `can_extend` before the
 forward. When cells run short it first drops the cells of idle and waiting sequences (least
-recently used first), then preempts the most recently admitted running sequence (its cells go,
-its tokens stay; it goes back to the front of the queue and re-prefills later). It never fails
-what is in flight to make room.
+recently used first), then preempts the running sequence of lowest priority, the most recently
+admitted among equals (its cells go, its tokens stay; it goes back to the front of its priority in
+the queue and re-prefills later). It never fails what is in flight to make room.
+
+Priority (`SamplingParams.priority`, lower first, vLLM's convention): the queue is kept in
+(priority, arrival) order, so a request is admitted before every waiting request of a higher
+value; decodes and prefill chunks of running sequences are planned in priority order too. A
+running request is never preempted for a waiting one; with every priority 0 (the default) the
+order is first come, first served.
 
 The scheduler is the one owner of cell claims and `n_cached`: the engine asks it to share
 (`share`), cut (`uncache`), record a forward (`set_cached`), retire or release a sequence. With
@@ -25,6 +31,11 @@ from engine.core.prefix_index import BLOCK, PrefixIndex
 from engine.core.sequence import SeqStatus, Sequence
 
 PREFIX_MIN_TOKENS = BLOCK  # a cached prefix shorter than one index block can never be found: not kept
+
+
+def priority(seq: Sequence) -> int:
+    """Its request's priority (lower runs first); 0 for a sequence without a request."""
+    return seq.request.params.priority if seq.request is not None else 0
 
 
 @dataclass
@@ -97,9 +108,14 @@ class Scheduler:
 
     # ----- queue -----------------------------------------------------------------------------
     def enqueue(self, seq: Sequence, front: bool = False) -> None:
+        """Queue `seq` after every waiting sequence of its priority or a better one (`front`: before those
+        of its own priority, as a preempted sequence goes back)."""
         seq.status = SeqStatus.WAITING
         seq.lookup_done = False
-        (self.waiting.appendleft if front else self.waiting.append)(seq)
+        p = priority(seq)
+        at = next((i for i, other in enumerate(self.waiting)
+                   if priority(other) > p or (front and priority(other) == p)), len(self.waiting))
+        self.waiting.insert(at, seq)
 
     def remove(self, seq: Sequence) -> None:
         """Take a sequence out of the queue/running set (its cells are untouched)."""
@@ -284,8 +300,8 @@ class Scheduler:
         wants = [s.cache_target() - s.n_cached for s in self.running]
         decoding = wants.count(1)
         prefill = self._prefill_cap(decoding, wants) if decoding else budget  # left for prefill chunks
-        # Decodes first (1 token each), then unfinished prefills, oldest first.
-        for seq in sorted(self.running, key=lambda s: (s.pending > 1, s.admitted_at)):
+        # Decodes first (1 token each), then unfinished prefills, by priority, oldest first.
+        for seq in sorted(self.running, key=lambda s: (s.pending > 1, priority(s), s.admitted_at)):
             if seq.status is not SeqStatus.RUNNING or budget == 0:
                 continue  # preempted while making room for an older sequence
             want = seq.cache_target() - seq.n_cached
@@ -346,7 +362,7 @@ class Scheduler:
         while not self.cache.can_extend(plan.tokens + n):
             if self._evict_one(need=self._need(plan, n)):
                 continue
-            victim = max(self.running, key=lambda s: s.admitted_at)
+            victim = max(self.running, key=lambda s: (priority(s), s.admitted_at))
             plan.drop(victim)
             plan.preempted.add(victim)
             self.preempt(victim)

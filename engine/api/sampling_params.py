@@ -139,6 +139,7 @@ class SamplingParams:
     allowed_token_ids: list[int] | None = None
     bad_words_ids: list[list[int]] = field(default_factory=list)
     priority: int = 0
+    skip_special_tokens: bool = True  # the detokenizer leaves special tokens' text out (vLLM's default)
 
     def __post_init__(self):
         self.max_tokens = _integer("max_tokens", self.max_tokens, 0, 2**31 - 1)
@@ -150,8 +151,9 @@ class SamplingParams:
             self.seed = _integer("seed", self.seed, _SEED_MIN, _SEED_MAX)
         self.stop = self._check_stop(self.stop)
         self.stop_token_ids = self._check_token_list("stop_token_ids", self.stop_token_ids)
-        if not isinstance(self.ignore_eos, bool):
-            raise SamplingError("ignore_eos", f"must be true or false, got {self.ignore_eos!r}")
+        for name in ("ignore_eos", "skip_special_tokens"):
+            if not isinstance(getattr(self, name), bool):
+                raise SamplingError(name, f"must be true or false, got {getattr(self, name)!r}")
         self.presence_penalty = _number("presence_penalty", self.presence_penalty, *PENALTY_RANGE)
         self.frequency_penalty = _number("frequency_penalty", self.frequency_penalty, *PENALTY_RANGE)
         self.repetition_penalty = _number("repetition_penalty", self.repetition_penalty, 0.0, math.inf,

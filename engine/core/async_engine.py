@@ -158,7 +158,7 @@ class AsyncEngine:
 
         context = await self._call(add, undo=lambda _: self.engine.cancel(request_id))
         if here:
-            stream.detok = OutputDetokenizer(self.tokenizer, context)
+            stream.detok = OutputDetokenizer(self.tokenizer, context, skip_special_tokens=params.skip_special_tokens)
         return stream
 
     async def cancel(self, request_id: str) -> None:

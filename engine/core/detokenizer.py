@@ -31,14 +31,17 @@ class IncrementalDetokenizer:
     - no delta ends inside a multibyte character: a trailing U+FFFD from an incomplete byte sequence is
       held back until the following tokens complete it (or `flush` gives it up as it is);
     - the first occurrence of any stop string and everything after it is never returned; `stopped`
-      becomes True and `stop_reason` holds the matched string; later pushes are ignored and return "".
+      becomes True and `stop_reason` holds the matched string; later pushes are ignored and return "";
+    - with `min_tokens`, the text of the first `min_tokens` output tokens is never searched for stop
+      strings (it is returned as it comes), so a stop string ends a choice only once it appears in the
+      text of later tokens (vLLM's rule; the stop *tokens* are masked that long by the sampler).
 
     Decoding uses `skip_special_tokens` as given and never applies `clean_up_tokenization_spaces`
     (it would rewrite already-emitted text). The engine should not push EOS / stop-token ids.
     """
 
     def __init__(self, tokenizer, prompt_ids: abc.Sequence[int] = (), skip_special_tokens: bool = True,
-                 stop: abc.Sequence[str] = ()):
+                 stop: abc.Sequence[str] = (), min_tokens: int = 0):
         if isinstance(stop, str):
             stop = [stop]
         if any(not s for s in stop):
@@ -46,6 +49,7 @@ class IncrementalDetokenizer:
         self.tokenizer = tokenizer
         self.skip_special_tokens = skip_special_tokens
         self.stop = list(stop)
+        self.min_tokens = min_tokens
         self._max_stop = max((len(s) for s in self.stop), default=0)
         self._ids = self._context(context_ids(prompt_ids))  # context + output tokens
         self._n_context = len(self._ids)
@@ -74,7 +78,8 @@ class IncrementalDetokenizer:
         for token in token_ids:
             self._ids.append(token)
             if not self.stopped:
-                out.append(self._emit(self._decode_delta(final=False), final=False))
+                early = len(self._ids) - self._n_context <= self.min_tokens
+                out.append(self._emit(self._decode_delta(final=False), final=False, search=not early))
         return "".join(out)
 
     def flush(self) -> str:
@@ -113,16 +118,17 @@ class IncrementalDetokenizer:
         self._prefix_offset, self._read_offset = self._read_offset, len(self._ids)
         return new_text[len(prefix_text):]
 
-    def _emit(self, delta: str, final: bool) -> str:
-        """Pass decoded text through the stop-string filter; return what is safe to send."""
+    def _emit(self, delta: str, final: bool, search: bool = True) -> str:
+        """Pass decoded text through the stop-string filter (`search`: else it is all safe); return what is
+        safe to send."""
         buf = self._pending + delta
-        hit = self._find_stop(buf)
+        hit = self._find_stop(buf) if search else None
         if hit is not None:
             index, self.stop_reason = hit
             self.stopped = True
             out, self._pending = buf[:index], ""
         else:
-            keep = 0 if final else self._partial_stop_len(buf)
+            keep = 0 if final or not search else self._partial_stop_len(buf)
             out, self._pending = buf[:len(buf) - keep], buf[len(buf) - keep:]
         self.text += out
         return out
@@ -177,15 +183,17 @@ class OutputDetokenizer:
     `context` is the sequence's tokens before generation (`context_ids`), shared by all choices.
     """
 
-    def __init__(self, tokenizer, context: abc.Sequence[int]):
+    def __init__(self, tokenizer, context: abc.Sequence[int], skip_special_tokens: bool = True):
         self.tokenizer = tokenizer
         self.context = list(context)
+        self.skip_special_tokens = skip_special_tokens
         self._choices: dict[int, IncrementalDetokenizer] = {}
 
     def apply(self, out: RequestOutput) -> RequestOutput:
         for choice in out.outputs:
             detok = self._choices.get(choice.index)
             if detok is None:
-                detok = self._choices[choice.index] = IncrementalDetokenizer(self.tokenizer, self.context)
+                detok = self._choices[choice.index] = IncrementalDetokenizer(
+                    self.tokenizer, self.context, skip_special_tokens=self.skip_special_tokens)
             choice.text = choice_text(detok, choice.token_ids, choice.finish_reason)
         return out

@@ -246,7 +246,9 @@ class Engine:
         seq.detok = None
         seq.grammar = self.admission.grammar_state(req.grammar) if req.grammar is not None else None
         if self.tokenizer is not None and not req.prefill_only and req.detokenize:
-            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, stop=req.params.stop)
+            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, stop=req.params.stop,
+                                               skip_special_tokens=req.params.skip_special_tokens,
+                                               min_tokens=req.params.min_tokens)
         req.seqs.append(seq)
         self.scheduler.remove(seq)
         self.scheduler.enqueue(seq)

@@ -40,7 +40,6 @@ from server.schema import ParamError, StrictModel
 # field -> the values that mean "off" (accepted and ignored); any other value is a 400 naming the field.
 UNSUPPORTED: dict[str, tuple] = {
     "best_of": (1,), "use_beam_search": (False,), "length_penalty": (1, 1.0), "early_stopping": (False,),
-    "skip_special_tokens": (True,), "spaces_between_special_tokens": (True,),
     "guided_whitespace_pattern": (), "structural_tag": (), "logits_processors": ([],), "typical_p": (1, 1.0),
     "top_a": (0, 0.0), "tfs_z": (1, 1.0), "mirostat": (0,), "n_probs": (0,),
     "return_tokens_as_token_ids": (False,), "prompt_logprobs": (), "kv_transfer_params": (),
@@ -57,7 +56,7 @@ COMPLETIONS_ONLY: dict[str, tuple] = {"echo": (False,), "suffix": ("",)}
 # Accepted and ignored: they change nothing this server computes (listed in the README).
 IGNORED = ("model", "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
            "request_id", "parallel_tool_calls (without tools)", "prediction (no draft source uses it yet)",
-           "priority (carried to the engine; the scheduler does not order by it yet)")
+           "spaces_between_special_tokens (fast tokenizers never add them)")
 GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "grammar",
                  "json_schema")
 GUIDED_BACKENDS = ("xgrammar", "auto")
@@ -210,6 +209,9 @@ class SamplingFields(StrictModel):
     bad_words: list[str] | None = None
     priority: int = 0
     truncate_prompt_tokens: int | None = Field(None, ge=1)
+    skip_special_tokens: bool = True
+    # Fast tokenizers (every model here) never put spaces between special tokens: accepted either way, as vLLM
+    spaces_between_special_tokens: bool = True
     prediction: dict[str, Any] | None = None  # OpenAI's predicted outputs: accepted, not used as a draft yet
 
     @field_validator("grammar", mode="before")
@@ -396,6 +398,7 @@ def sampling_params(fields: SamplingFields, *, max_tokens: int, logprobs: int | 
                               "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
                               "min_tokens": fields.min_tokens, "allowed_token_ids": fields.allowed_token_ids,
                               "bad_words_ids": bad_words_ids or [], "priority": fields.priority,
+                              "skip_special_tokens": fields.skip_special_tokens,
                               "eos_token_ids": (eos_token_ids or []) if fields.min_tokens else []}
     for name in PASSTHROUGH:
         value = getattr(fields, name)

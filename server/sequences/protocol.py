@@ -61,10 +61,9 @@ class SequenceCreateRequest(PromptOrMessages):
 class SequenceCompletionRequest(SamplingFields, PromptOrMessages):
     """Append optional text to a sequence, then generate into it (one choice: n must be 1)."""
 
-    # Token rules the chat/completions routes wire up and sequence completions do not yet.
-    unsupported: ClassVar[dict[str, tuple]] = {**UNSUPPORTED, **CHAT_ONLY, **COMPLETIONS_ONLY, "min_tokens": (0,),
-                                               "bad_words": ([],), "truncate_prompt_tokens": (),
-                                               "include_stop_str_in_output": (False,)}
+    # truncate_prompt_tokens would cut the sequence's history: that is POST /v1/sequences/{id}/truncate's job.
+    unsupported: ClassVar[dict[str, tuple]] = {**UNSUPPORTED, **CHAT_ONLY, **COMPLETIONS_ONLY,
+                                               "truncate_prompt_tokens": ()}
 
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 

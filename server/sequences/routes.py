@@ -21,6 +21,7 @@ from server.openai.completions import Formatter
 from server.openai.generation import ClientGone, GenerationRun, await_or_disconnect
 from server.openai.protocol import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
 from server.openai.response import serve
+from server.openai.routes import token_rules
 from server.openai.sse import STREAMED_200
 from server.sequences.protocol import (
     ForkRequest,
@@ -74,11 +75,11 @@ async def sequence_completions(seq_id: str, body: SequenceCompletionRequest, req
     ids = await ctx.tokens.prompt_ids(body.prompt, body.messages, add_generation_prompt=body.add_generation_prompt,
                                       add_special_tokens=False, empty_ok=True)
     max_tokens = body.max_tokens if body.max_tokens is not None else COMPLETION_DEFAULT_MAX_TOKENS
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs)
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=body.logprobs, **await token_rules(ctx, body))
     run = GenerationRun(engine, new_id("seqcmpl"), [ids], params, seq_id=seq_id, metrics=ctx.metrics)
     fmt = Formatter(run, model=ctx.model_name, token_str=ctx.tokens.token_str, n=1,
                     want_logprobs=body.logprobs is not None, include_usage=body.include_usage(),
-                    extra={"sequence_id": seq_id})
+                    extra={"sequence_id": seq_id}, include_stop_str=body.include_stop_str_in_output)
     return await serve(request, ctx, run, fmt, stream=body.stream)
 
 

@@ -80,8 +80,40 @@ def test_llama_cpp_grammar_names_priority_and_prediction(srv):
     assert isinstance(json.loads(r.json()["choices"][0]["message"]["content"])["a"], int)
 
 
+def test_skip_special_tokens_false_keeps_their_text(srv):
+    bos = {"allowed_token_ids": [1], "max_tokens": 2}  # <|bos|>: special, and no stop token
+    assert complete(srv, **bos)["choices"][0]["text"] == ""
+    for extra in ({}, {"stop": ["never"]}):  # detokenized by the consumer, or by the engine (stop strings)
+        kept = complete(srv, **bos, **extra, skip_special_tokens=False, spaces_between_special_tokens=False)
+        assert kept["choices"][0]["text"] == "<|bos|><|bos|>", extra
+
+
+def test_stop_strings_wait_for_min_tokens(srv):
+    free = complete(srv, max_tokens=12)["choices"][0]
+    word = free["text"][:3]
+    assert complete(srv, max_tokens=12, stop=[word])["choices"][0]["text"] == ""
+    held = complete(srv, max_tokens=12, stop=[word], min_tokens=6)
+    text = held["choices"][0]["text"]
+    assert text.startswith(word) and free["text"].startswith(text) and held["usage"]["completion_tokens"] > 6
+
+
+def test_sequence_completions_take_the_extras(srv):
+    with srv.client() as c:
+        seq = c.post("/v1/sequences", json={"prompt": "ROMEO:"}).json()["id"]
+        free = c.post(f"/v1/sequences/{seq}/fork").json()["id"]
+        text = c.post(f"/v1/sequences/{free}/completions", json={"max_tokens": 10, "temperature": 0}).json()
+        stop = text["choices"][0]["text"][4:7]
+        r = c.post(f"/v1/sequences/{seq}/completions", json={
+            "max_tokens": 10, "temperature": 0, "stop": [stop], "include_stop_str_in_output": True,
+            "min_tokens": 1, "bad_words": ["zebra"], "priority": 2, "skip_special_tokens": False})
+    assert r.status_code == 200, r.text
+    choice = r.json()["choices"][0]
+    assert choice["finish_reason"] == "stop" and choice["text"] == text["choices"][0]["text"][:7]
+
+
 @pytest.mark.parametrize("route, body, param", [
-    ("/v1/completions", {"prompt": "x", "skip_special_tokens": False}, "skip_special_tokens"),
+    ("/v1/completions", {"prompt": "x", "skip_special_tokens": 0}, "skip_special_tokens"),
+    ("/v1/sequences/seq-none/completions", {"prompt": "x", "truncate_prompt_tokens": 3}, "truncate_prompt_tokens"),
     ("/v1/completions", {"prompt": "x", "grammar": "root ::= x", "json_schema": {"type": "object"}}, "json_schema"),
     ("/v1/completions", {"prompt": "x", "allowed_token_ids": [10**7]}, "allowed_token_ids"),
     ("/v1/completions", {"prompt": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens"),

@@ -194,7 +194,7 @@ def test_openai_sdk_parse_with_a_pydantic_model(client):
     ({"guided_regex": "a", "guided_decoding_backend": "outlines"}, "guided_decoding_backend", "xgrammar"),
     ({"best_of": 3}, "best_of", "not supported"),
     ({"min_tokens": 5}, "min_tokens", "max_tokens"),  # min_tokens is honoured, but never beyond max_tokens
-    ({"skip_special_tokens": False}, "skip_special_tokens", "not supported"),
+    ({"use_beam_search": True}, "use_beam_search", "not supported"),
     ({"functions": [{"name": "f"}]}, "functions", "not supported"),
 ])
 def test_what_cannot_be_honoured_is_a_400_naming_the_field(srv, body, param, words):

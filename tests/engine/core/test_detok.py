@@ -194,6 +194,16 @@ def test_pushes_after_a_stop_return_nothing():
     assert det.flush() == "" and det.text == "the "
 
 
+def test_stop_strings_are_not_searched_in_the_first_min_tokens():
+    tok = byte_level_bpe()
+    ids = encode(tok, "the end and the end")
+    n = len(encode(tok, "the end"))
+    held = IncrementalDetokenizer(tok, stop=["end"], min_tokens=n)
+    assert "".join(held.push(t) for t in ids) == "the end and the " and held.stop_reason == "end"
+    eager = IncrementalDetokenizer(tok, stop=["end"])
+    assert eager.push(ids) == "the " and eager.stopped
+
+
 def test_empty_stop_string_is_rejected():
     with pytest.raises(ValueError, match="non-empty"):
         IncrementalDetokenizer(byte_level_bpe(), stop=["ok", ""])

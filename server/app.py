@@ -25,6 +25,7 @@ from server.ops import routes as ops_routes
 from server.responses import routes as responses_routes
 from server.sequences import routes as sequence_routes
 from server.state import EngineFactory, ServerContext
+from server.ui import routes as ui_routes
 
 if TYPE_CHECKING:  # the server never imports the engine (torch) at run time; it is injected
     from engine.api.client import EngineClient
@@ -32,14 +33,15 @@ if TYPE_CHECKING:  # the server never imports the engine (torch) at run time; it
 
 def build_app(engine: Union["EngineClient", EngineFactory], *, served_model_name: str | None = None,
               api_key: str | None = None, shutdown_grace_s: float = 30.0, on_fatal=None,
-              limits: Limits | None = None) -> FastAPI:
+              limits: Limits | None = None, ui: bool = True) -> FastAPI:
     """The HTTP app over `engine` (an EngineClient, or a zero-argument callable that builds one).
 
     `on_fatal(reason)` is called if the model fails to load or the engine loop dies (the CLI exits
     non-zero). With an `api_key` the interactive docs and the OpenAPI schema are off: every route but
     `/health` and `/metrics` needs the key, and the docs cannot send it. Paths are matched exactly
     (no trailing-slash redirects, which would build a `Location` from the client's `Host`), and every
-    GET route answers HEAD too (HEAD-based health checks)."""
+    GET route answers HEAD too (HEAD-based health checks). `ui`: serve the chat page at `/` (static files
+    that need no key; the page asks for it on a 401)."""
     ctx = ServerContext(engine, served_model_name=served_model_name, api_key=api_key,
                         shutdown_grace_s=shutdown_grace_s, on_fatal=on_fatal, limits=limits)
 
@@ -57,6 +59,8 @@ def build_app(engine: Union["EngineClient", EngineFactory], *, served_model_name
     app.state.ctx = ctx
     install_error_handlers(app)
     app.include_router(ops_routes.public, responses=ERROR_RESPONSES)
+    if ui:
+        app.include_router(ui_routes.router)
     guarded = [Depends(require_api_key)]
     for router in (openai_routes.router, sequence_routes.router, ops_routes.router, responses_routes.router):
         app.include_router(router, dependencies=guarded, responses=ERROR_RESPONSES)

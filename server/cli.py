@@ -98,6 +98,7 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="prompts in one completions request (400 beyond)")
     p.add_argument("--max-choices", type=_positive_int, default=DEFAULT_MAX_CHOICES,
                    help="choices (prompts x n) in one request (400 beyond)")
+    p.add_argument("--no-ui", action="store_true", help="do not serve the chat page at / (GET / is then 404)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     scale = p.add_argument_group("scale-out on Ray Serve (pip install 'cellserve[ray]')")
     scale.add_argument("--replicas", type=_positive_int, default=None,
@@ -124,7 +125,8 @@ def run_server(args: argparse.Namespace) -> int:
             server.should_exit = True
 
     app = build_app(engine_factory(args), served_model_name=args.served_model_name, api_key=args.api_key,
-                    shutdown_grace_s=args.shutdown_grace, on_fatal=on_fatal, limits=limits_of(args))
+                    shutdown_grace_s=args.shutdown_grace, on_fatal=on_fatal, limits=limits_of(args),
+                    ui=not args.no_ui)
     ctx = app.state.ctx
     idle_trim_from_env(ctx._stats)  # opt-in malloc_trim when idle (server/memory.py)
 
@@ -146,7 +148,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                             timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=max(1, int(args.shutdown_grace)),
-                            **uvicorn_options(ctx.limits))  # header limits, JSON refusals, lingering close
+                            # header limits, JSON refusals, lingering close; refusals counted in /metrics
+                            **uvicorn_options(ctx.limits, ctx.metrics.count_edge_refusal))
     server = DrainingServer(config)
     log.info("cellserve listening on http://%s:%d (model loads in the background; GET /health is 503 "
              "until it is ready)", args.host, args.port)

@@ -34,8 +34,13 @@ serve: $(STAMP)
 		exec $(BIN)/cellserve serve $(ARGS); \
 	fi
 
+# The long soak: the storm rounds of test_soak.py, then 30 minutes of mixed traffic with RSS, fds, threads,
+# cells and p99 sampled every 10 s (SOAK_S=150 for a quick look); CSV and plot land in soak-out/.
+SOAK_S ?= 1800
 soak: $(STAMP)
-	CELLSERVE_RSS_SOAK_S=$${CELLSERVE_RSS_SOAK_S:-150} $(BIN)/python -m pytest -m 'soak or soak_long' -o addopts='-q' tests/server/test_soak.py
+	$(BIN)/pip install -q matplotlib
+	CELLSERVE_RSS_SOAK_S=$(SOAK_S) CELLSERVE_SOAK_OUT=soak-out $(BIN)/python -m pytest -m 'soak or soak_long' \
+		-o addopts='-q -s' tests/server/test_soak.py tests/server/test_memory_soak.py
 
 lint: $(STAMP)
 	$(BIN)/ruff check engine server tests

@@ -285,3 +285,29 @@ def test_usable_at_400_px_with_labelled_controls(page):
         assert page.shown_replies()
     finally:
         page.d.set_window_size(1200, 860)
+
+
+def test_a_follow_up_continues_the_chat_template(page):
+    """A follow-up is appended as the template continues a conversation (end of turn, the message, the
+    generation prompt), not as a new conversation's start (no second BOS or default system prompt)."""
+    from transformers import AutoTokenizer
+
+    page.new_chat(max_tokens=16, schema=json.dumps({"const": "Juliet"}))  # a fixed reply that ends with EOS
+    page.send("Who is she?")
+    page.send("And Romeo?")
+    conv = page.conv()
+    nodes = conv["nodes"]
+    path, node = [], nodes["root"]
+    while node["children"]:
+        node = nodes[node["children"][node["selected"]]]
+        path.append(node)
+    assert [n["role"] for n in path] == ["user", "assistant", "user", "assistant"]
+    assert path[1]["text"] == '"Juliet"' and path[1]["stats"]["finish"] == "stop"
+    assert len(conv["seqs"]) == 1  # continued in place
+    ids = page.http.get(f"/v1/sequences/{path[3]['seq']}").json()["token_ids"]
+    text = page.http.post("/detokenize", json={"tokens": ids[:path[2]["end"]]}).json()["prompt"]
+    tok = AutoTokenizer.from_pretrained(ROOT / "engine" / "loader" / "default" / "model")
+    messages = [{"role": n["role"], "content": n["text"]} for n in path[:3]]
+    expected = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # the reply's own EOS stays in the sequence as the model wrote it (this template writes none there)
+    assert text == expected.replace('"Juliet"', '"Juliet"' + tok.eos_token, 1)

@@ -5,6 +5,7 @@
 // the sequence's length is read back from the server, so the tree's positions are the server's.
 
 import * as api from "./api.js";
+import { glueAfter } from "./glue.js";
 import * as tree from "./tree.js";
 
 const GONE = "This branch is gone from the server (it restarted, or the sequence was idle longer than " +
@@ -90,10 +91,12 @@ export async function send(conv, parentId, text, run) {
                                           system: system || undefined });
     usage = { reused: 0, prefilled: info.length };
   } else {
-    const { count } = await api.json("POST", "/tokenize", { messages: [message] });
+    const glue = await glueAfter(conv, parent, text);
+    const append = glue === null ? { messages: [message] } : { prompt: glue };
+    const { count } = await api.json("POST", "/tokenize", { ...append, add_special_tokens: false });
     seq = await sequenceEndingAt(conv, parent);
     user = tree.addNode(conv, parentId, { role: "user", text, seq, start: parent.end, end: parent.end + count });
-    body.messages = [message];
+    Object.assign(body, append);
     usage = { reused: parent.end, prefilled: 0 };
   }
   if (conv.title === "New chat") conv.title = titleOf(text);

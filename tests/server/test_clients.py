@@ -1,7 +1,10 @@
 """Real clients against a live server over the bundled model (with a tool-rendering chat template):
-LangChain's `ChatOpenAI` (invoke, stream, bind_tools, with_structured_output) in every run, and
-lm-evaluation-harness's `local-completions` (loglikelihood and generate_until from local JSONL tasks)
-in the `clients` mark, run only when asked for: `pip install -e '.[clients]'`, then `pytest -m clients`."""
+LangChain's `ChatOpenAI` (invoke, stream, bind_tools, with_structured_output in its three methods) in every
+run; in the `clients` mark, run only when asked for (`pip install -e '.[clients]'`, then `pytest -m
+clients`): instructor (JSON_SCHEMA and TOOLS modes), litellm (one chat call) and lm-evaluation-harness's
+`local-completions` (loglikelihood and generate_until from local JSONL tasks). litellm is ~230 MB
+installed (boto3 among its dependencies) and instructor 1.17 pins jiter<0.15, which openai >= 3.6x's
+jiter>=0.16 excludes (pip then resolves an older openai): neither belongs in every run."""
 
 import json
 import math
@@ -48,12 +51,41 @@ def test_langchain_bind_tools(llm):
     assert len(forced) == 1 and forced[0]["name"] in ("get_weather", "get_time")
 
 
+def test_langchain_bind_tools_auto(llm):
+    out = llm.bind_tools(TOOLS).invoke("Weather in Verona?")  # tool_choice auto: a call or an answer
+    assert {c["name"] for c in out.tool_calls} <= {"get_weather", "get_time"}
+    assert out.tool_calls or out.content
+
+
 @pytest.mark.parametrize("method", ["json_schema", "function_calling"])
 def test_langchain_with_structured_output(llm, method):
     """(method="json_mode" sends json_object: any object, whose free-form strings the toy model may never
-    close within max_tokens; tests/test_structured_output.py covers json_object.)"""
+    close; tests/server/test_real_models.py runs it on SmolLM2.)"""
     out = llm.with_structured_output(Verdict, method=method).invoke("Judge Romeo.")
     assert isinstance(out, Verdict)
+
+
+# ----- instructor and litellm (marked: heavy, or at odds with the openai SDK's pins) --------------------------
+
+@pytest.mark.clients
+@pytest.mark.parametrize("mode", ["JSON_SCHEMA", "TOOLS"])
+def test_instructor(srv, mode):
+    instructor = pytest.importorskip("instructor")
+    import openai
+
+    client = instructor.from_openai(openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0),
+                                    mode=getattr(instructor.Mode, mode))
+    out = client.chat.completions.create(model="m", response_model=Verdict, max_retries=0, max_tokens=100,
+                                         temperature=0, messages=[{"role": "user", "content": "Judge Romeo."}])
+    assert isinstance(out, Verdict)
+
+
+@pytest.mark.clients
+def test_litellm_chat(srv):
+    litellm = pytest.importorskip("litellm")
+    out = litellm.completion(model="openai/m", api_base=srv.url + "/v1", api_key="unused", max_tokens=8,
+                             temperature=0, messages=[{"role": "user", "content": "Who is Juliet?"}])
+    assert out.choices[0].message.content and out.usage.completion_tokens == 8
 
 
 # ----- lm-evaluation-harness (marked: heavy) ------------------------------------------------------------------

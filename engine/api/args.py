@@ -25,6 +25,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 512  # tokens per forward (chunked prefill + decode)
     max_queue: int = 1024  # waiting requests before new ones are refused (QueueFull)
     seq_ttl_s: float = 600.0  # idle persistent sequences are deleted after this long
+    grammar_timeout_s: float = 10.0  # a structured-output grammar that takes longer to compile is refused (400)
     threads: int | None = None  # torch CPU threads; None: torch's default
     attention: str = "fast"  # "fast" (compacted, per-row gather) or "reference" (dense mask)
     prefix_caching: bool = True  # share cached prefixes automatically (finished requests keep their cells)

@@ -2,31 +2,40 @@
 
 The rules: token ids inside the vocabulary, a prompt + `max_tokens` that fits the model's context and, with all its choices, the
 whole cell pool (admitting more would preempt everything else and still not fit), a queue with room,
-and a grammar that compiles. The fit rules read only constants, so the HTTP layer may call them from
-any thread before it submits; the grammar compiler is locked for the same reason (and loads xgrammar,
-and with it torch, only when a request first asks for structured output).
+and a grammar that compiles in bounded time. The fit rules read only constants, so the HTTP layer may call
+them from any thread before it submits. Grammars compile on a small pool of their own threads (xgrammar's
+compiler is thread-safe), each waited on for at most `grammar_timeout_s`: a pathological schema costs its
+client a 400 after that long and at most one of those threads, never the engine's tick nor other
+requests' compiles beyond the pool's size. xgrammar, and with it torch, loads only when a request first
+asks for structured output.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import threading
 
 from engine.api.errors import InvalidRequest, PromptTooLong, QueueFull
 from engine.api.sampling_params import SamplingParams
 
+GRAMMAR_THREADS = 2  # compiles at once; one more waits its turn (within its own timeout)
+
 
 class Admission:
     """The up-front checks of one engine (its model's context, its pool, its queue bound)."""
 
-    def __init__(self, max_model_len: int, n_cells: int, max_queue: int, vocab_size: int, tokenizer, eos_ids):
+    def __init__(self, max_model_len: int, n_cells: int, max_queue: int, vocab_size: int, tokenizer, eos_ids,
+                 grammar_timeout_s: float = 10.0):
         self.max_model_len = max_model_len
         self.n_cells = n_cells
         self.max_queue = max_queue
         self.vocab_size = vocab_size
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
+        self.grammar_timeout_s = grammar_timeout_s
         self._grammars = None  # engine.sample.grammar.GrammarCompiler, made on the first structured-output request
         self._grammars_lock = threading.Lock()
+        self._compiles: concurrent.futures.ThreadPoolExecutor | None = None
 
     def check_tokens(self, ids) -> None:
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]
@@ -63,8 +72,9 @@ class Admission:
 
     def compile_grammar(self, params: SamplingParams):
         """The compiled grammar of a structured-output request (None without one), or InvalidRequest naming
-        its field. Thread-safe: the HTTP layer compiles in a worker thread before submitting, so a compile
-        (milliseconds; more for a big schema) does not stall the tick, and admission hits xgrammar's cache."""
+        its field (a grammar that does not compile, or not within `grammar_timeout_s`). Thread-safe: the HTTP
+        layer compiles in a worker thread before submitting, so a compile (milliseconds; seconds for a big
+        schema) does not stall the tick, and admission then hits xgrammar's cache."""
         if params.guided is None or not params.max_tokens:
             return None
         if self.tokenizer is None:
@@ -75,7 +85,17 @@ class Admission:
                 from engine.sample.grammar import GrammarCompiler
 
                 self._grammars = GrammarCompiler(self.tokenizer, self.vocab_size, self.eos_ids)
-        return self._grammars.compile(params.guided)
+                self._compiles = concurrent.futures.ThreadPoolExecutor(GRAMMAR_THREADS, "grammar")
+        work = self._compiles.submit(self._grammars.compile, params.guided)
+        try:
+            return work.result(timeout=self.grammar_timeout_s)
+        except concurrent.futures.TimeoutError:
+            guided = params.guided
+            raise InvalidRequest(
+                f"{guided.param}: the {guided.kind.replace('_', ' ')} did not compile within "
+                f"{self.grammar_timeout_s:g} s (too large or too deeply nested for the grammar compiler); simplify "
+                "it. Its compile goes on in the background and is cached, so the same request may pass later",
+                guided.param) from None
 
     def grammar_state(self, compiled):
         """A fresh matcher for one choice of a request whose grammar `compile_grammar` made."""

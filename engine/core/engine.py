@@ -62,7 +62,7 @@ class Engine:
         self.vocab_size = runner.config.get_text_config().vocab_size
         self.persistent = _sequence_table(self.scheduler, runner, cfg, self.vocab_size)
         self.admission = Admission(runner.max_model_len, self.cache.n_cells, self.config.max_queue,
-                                   self.vocab_size, self.tokenizer, self.eos_ids)
+                                   self.vocab_size, self.tokenizer, self.eos_ids, self.config.grammar_timeout_s)
         self.outputs = OutputProcessor(self.scheduler, self.requests, self.eos_ids)
         self.speculative = None
         if cfg.speculative in ("auto", "ngram"):

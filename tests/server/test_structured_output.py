@@ -219,3 +219,32 @@ def test_a_field_of_another_route_is_a_400_too(srv, route, body, param):
     with srv.client() as c:
         r = c.post(route, json=body)
     assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+def heavy_schema(n: int) -> dict:
+    """A schema xgrammar takes a long while to compile (seconds at n=300 on SmolLM2's vocabulary)."""
+    props = {f"p{i}": {"type": "string", "pattern": "[a-z]{3,300}"} for i in range(n)}
+    return {"type": "object", "properties": props, "required": list(props)}
+
+
+def test_a_grammar_that_compiles_too_long_is_a_400_in_bounded_time_and_stalls_nothing():
+    """#30: a pathological schema costs its client a 400 after grammar_timeout_s, never the engine's tick:
+    plain requests sent meanwhile are served; the compile goes on in the background and is cached."""
+    import concurrent.futures
+    import time
+
+    with LiveServer(str(DEFAULT_MODEL_DIR), n_cells=1024, grammar_timeout_s=0.2) as srv, srv.client() as c:
+        fmt = {"type": "json_schema", "json_schema": {"name": "heavy", "schema": heavy_schema(200)}}
+        body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "response_format": fmt}
+        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+            t = time.monotonic()
+            heavy = pool.submit(c.post, "/v1/chat/completions", json=body)
+            time.sleep(0.05)
+            plain = c.post("/v1/completions", json={"prompt": "ROMEO:", "max_tokens": 4})
+            r = heavy.result()
+            took = time.monotonic() - t
+        assert plain.status_code == 200
+        err = r.json()["error"]
+        assert r.status_code == 400 and err["param"] == "response_format" and "did not compile within 0.2 s" in \
+            err["message"], r.text
+        assert took < 5  # the timeout, not the compile (which runs on, several seconds)

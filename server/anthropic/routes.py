@@ -61,6 +61,7 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
     engine = ctx.require_engine()
     prompt, tools = await _prompt(ctx, body)
     engine.check_fits([len(prompt)], body.max_tokens)
+    reply = await reply_of(ctx, tools, prompt)
     run = GenerationRun(engine, new_id("msg"), [prompt], sampling(body, tools.guided()), metrics=ctx.metrics)
     gone = await driver.start(request, ctx, run)
     if gone is not None:
@@ -68,7 +69,6 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
     builder = MessageBuilder(run.request_id, ctx.model_name,
                              show_thinking=body.thinking is None or body.thinking.shown)
     headers = {"X-Request-Id": run.request_id, "request-id": run.request_id}
-    reply = await reply_of(ctx, tools, prompt)
     if body.stream:
         return NamedEventStream(_stream(ctx, run, builder, reply, len(prompt)), headers=headers)
     output = Output()

@@ -11,7 +11,9 @@ items, and `reasoning` items (an earlier reply's thinking: its text becomes the 
 `reasoning_content`, which templates that keep reasoning render); anything else (images, files, item
 references) is a 400 naming the item. `reasoning.effort` reaches the template's thinking switch as chat's
 `reasoning_effort` does (`server.openai.reasoning.template_kwargs`); `reasoning.summary` is accepted and
-echoed (the reply's reasoning comes as `reasoning_text` content, never summarised).
+echoed (the reply's reasoning comes as `reasoning_text` content, never summarised); `include:
+["reasoning.encrypted_content"]` (what stateless agents send) is accepted: nothing is encrypted, the
+reasoning is in the item's content and `encrypted_content` stays null.
 """
 
 import json
@@ -27,7 +29,7 @@ from server.schema import ParamError, StrictModel
 # field -> the values that mean "off" (accepted); anything else is a 400 naming the field.
 REFUSED: dict[str, tuple] = {
     "background": (False,), "conversation": (), "prompt": (), "top_logprobs": (0,),
-    "truncation": ("disabled",), "include": ([],), "max_tool_calls": (), "stream_options": (),
+    "truncation": ("disabled",), "include": ([], ["reasoning.encrypted_content"]), "max_tool_calls": (), "stream_options": (),
 }
 TOOL_NAME = r"^[A-Za-z0-9_.\-]+$"  # as the chat route's (server.openai.constraints.FunctionDef)
 TEXT_PART_TYPES = ("input_text", "output_text", "text")

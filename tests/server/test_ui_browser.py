@@ -81,7 +81,7 @@ class Page:
 def page(tmp_path_factory):
     need_browser()
     log = tmp_path_factory.mktemp("chat-page") / "serve.log"
-    with ServeProcess(["--api-key", KEY, "--seq-ttl", "3600"], log) as srv:
+    with ServeProcess(["--api-key", KEY, "--seq-ttl", "3600", "--served-model-name", "bundled-toy-model"], log) as srv:
         driver = chromium()
         try:
             driver.set_script_timeout(30)
@@ -109,7 +109,7 @@ def test_page_asks_for_the_key_and_keeps_it_in_session_storage(page):
 
 
 def test_send_streams_the_reply_with_its_numbers(page):
-    page.new_chat(max_tokens=48, temperature=0.8)
+    page.new_chat(max_tokens=96, temperature=0.8)
     box = page.one("#input")
     from selenium.webdriver.common.keys import Keys
 
@@ -267,10 +267,13 @@ def test_a_branch_gone_from_the_server_is_shown_as_gone(page):
 
 
 def test_usable_at_400_px_with_labelled_controls(page):
-    page.d.set_window_size(400, 800)
+    # the viewport itself (a headless window cannot be made narrower than 500 px)
+    page.d.execute_cdp_cmd("Emulation.setDeviceMetricsOverride",
+                           {"width": 400, "height": 800, "deviceScaleFactor": 1, "mobile": False})
     try:
         page.d.refresh()
         page.wait(lambda: page.one("#model").text)
+        assert page.js("return window.innerWidth") == 400
         page.new_chat(max_tokens=16)
         width = page.js("return document.documentElement.scrollWidth")
         assert width <= 400, f"the page scrolls sideways at 400 px ({width} px wide)"
@@ -284,7 +287,7 @@ def test_usable_at_400_px_with_labelled_controls(page):
         page.send("Small screen?")
         assert page.shown_replies()
     finally:
-        page.d.set_window_size(1200, 860)
+        page.d.execute_cdp_cmd("Emulation.clearDeviceMetricsOverride", {})
 
 
 def test_a_follow_up_continues_the_chat_template(page):

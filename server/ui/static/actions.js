@@ -75,6 +75,19 @@ export function titleOf(text) {
 
 /** Send `text` as a new user message under `parentId` (the root: a new sequence), then stream a reply. */
 export async function send(conv, parentId, text, run) {
+  let turn;
+  try {  // nothing is generated yet: on a failure the text goes back to the composer
+    turn = await appendUser(conv, parentId, text);
+  } catch (e) {
+    throw new ChatError(e.message, text);
+  }
+  if (conv.title === "New chat") conv.title = titleOf(text);
+  return generate(conv, turn.user, turn.seq, turn.body, turn.usage, run);
+}
+
+/** The user's message as a node on a sequence: a new sequence at the root, else appended (or forked and
+ *  appended) after `parentId`; the request body that appends it (if the create did not) and generates. */
+async function appendUser(conv, parentId, text) {
   const parent = conv.nodes[parentId];
   const body = samplingBody(conv.settings);
   const message = { role: "user", content: text };
@@ -99,8 +112,7 @@ export async function send(conv, parentId, text, run) {
     Object.assign(body, append);
     usage = { reused: parent.end, prefilled: 0 };
   }
-  if (conv.title === "New chat") conv.title = titleOf(text);
-  return generate(conv, user, seq, body, usage, run);
+  return { user, seq, body, usage };
 }
 
 /** A (new) reply to the user message `userId`: regenerate is this on the reply's parent. */

@@ -35,11 +35,17 @@ const handlers = {
   remove(node) { act(() => actions.deleteBranch(state.conv, node.id)); },
 };
 
+function renderTree() {
+  const focused = document.activeElement?.closest?.("#tree [data-node-id]")?.dataset.nodeId;
+  view.renderTree($("tree"), state.conv, (id) => { tree.select(state.conv, id); save(); render(); }, state.seqCells);
+  if (focused) $("tree").querySelector(`[data-node-id="${focused}"]`)?.focus();  // keyboard users keep their place
+}
+
 function render() {
   const conv = state.conv;
   const busy = Boolean(state.busy);
   view.renderMessages($("messages"), conv, handlers, { busy, editing: state.editing });
-  view.renderTree($("tree"), conv, (id) => { tree.select(conv, id); save(); render(); }, state.seqCells);
+  renderTree();
   view.renderChatList($("chat-list"), state.index, conv.id, { open: openConversation, remove: removeConversation });
   const leaf = tree.leaf(conv);
   const gone = tree.isGone(conv, leaf);
@@ -94,10 +100,11 @@ function sendFromComposer() {
 async function refreshGauge() {
   try {
     const cache = await api.json("GET", "/v1/cache");
-    state.seqCells = new Map(cache.sequences.map((s) => [s.id, s.cells]));
+    const cells = new Map(cache.sequences.map((s) => [s.id, s.cells]));
+    const changed = JSON.stringify([...cells]) !== JSON.stringify([...state.seqCells]);
+    state.seqCells = cells;
     view.renderGauge($("gauge"), cache);
-    if (!state.busy) view.renderTree($("tree"), state.conv, (id) => { tree.select(state.conv, id); save(); render(); },
-                                     state.seqCells);
+    if (changed && !state.busy) renderTree();  // only when the numbers moved: a re-render drops the focus
   } catch (e) {
     $("gauge").querySelector(".gauge-text").textContent = `cells: ${e.message}`;
   }

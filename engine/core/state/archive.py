@@ -67,6 +67,8 @@ def read_archive(identity: ModelIdentity, blob: bytes) -> tuple[list[SequenceRec
         raise InvalidRequest(f"the archive holds an invalid sequence: {exc}", "archive") from None
     if not records:
         raise InvalidRequest("the archive holds no sequence", "archive")
+    if len({r.seq_id for r in records}) != len(records):
+        raise InvalidRequest("the archive holds one sequence id twice", "archive")
     try:
         tensors = st_load(blob)
     except (SafetensorError, ValueError, RuntimeError) as exc:

@@ -1,0 +1,161 @@
+"""Durable sequences (`--state-dir`, #28): a fork family back after a restart, restored vs recomputed.
+
+    python -m engine.bench.durable [--model smollm2-135m-instruct] [--dtype float32] [--prefix-len 2000]
+                                   [--branches 8] [--branch-len 32] [--many 1000]
+
+A root sequence over `--prefix-len` random tokens, `--branches` forks of it, each continued with its own
+`--branch-len` tokens (prefilled, max_tokens 0), all written to a state dir. Then, each on a fresh engine
+over the same model: (1) *restored*: a new engine on the state dir (restore time measured), then the time to
+first token of each branch continued by one token, one branch after the other; (2) *recomputed*: the same
+records without their cell files (tokens only), same continuation (the first branch re-prefills the prefix,
+later ones share it through the prefix cache). Then bytes: the cell files on disk vs `--branches` times one
+branch's own size (what saving each sequence's KV separately would take, llama.cpp's slot save). Last, the
+restore time of `--many` sequences (forks of the root at chunk boundaries: records read, cells shared).
+"""
+
+import argparse
+import logging
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from engine.api.args import EngineArgs
+from engine.api.sampling_params import SamplingParams
+from engine.bench.common import prompts_for
+from engine.bench.machine import machine
+from engine.core.engine import Engine
+from engine.core.state.cell_files import CHUNK
+from engine.loader.source import resolve_args
+from engine.model.runner import ModelRunner
+
+
+def engine_on(model, tokenizer, args: EngineArgs) -> Engine:
+    """A fresh engine (fresh cell pool) over the already loaded model."""
+    return Engine(ModelRunner(model, tokenizer, **args.runner_kwargs()), args)
+
+
+def drain(engine: Engine) -> None:
+    while engine.has_unfinished():
+        engine.step()
+
+
+def build_family(engine: Engine, prefix: list[int], tails: list[list[int]]) -> list[str]:
+    root, _ = engine.create_sequence(prefix)
+    drain(engine)
+    branches = []
+    for i, tail in enumerate(tails):
+        seq_id = engine.fork(root.seq_id).seq_id
+        engine.add_request(f"tail-{i}", tail, SamplingParams(max_tokens=0), seq_id=seq_id)
+        drain(engine)
+        branches.append(seq_id)
+    return branches
+
+
+def ttft(engine: Engine, seq_ids: list[str]) -> tuple[list[float], list[float]]:
+    """Seconds to the first token of a one-token continuation of each sequence, one after the other, and
+    seconds until its request is done (the sequence and its new cells written to the state dir too)."""
+    first, done = [], []
+    for i, seq_id in enumerate(seq_ids):
+        seen: list[float] = []
+        t0 = time.perf_counter()
+        engine.add_request(f"next-{i}", [42], SamplingParams(max_tokens=1, temperature=0),
+                           lambda out, seen=seen: seen.append(time.perf_counter()), seq_id=seq_id)
+        drain(engine)
+        first.append(seen[0] - t0)
+        done.append(time.perf_counter() - t0)
+    return first, done
+
+
+def dir_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m engine.bench.durable", description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="smollm2-135m-instruct", help="a folder, .gguf or known name; 'bundled'")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--prefix-len", type=int, default=2000)
+    p.add_argument("--branches", type=int, default=8)
+    p.add_argument("--branch-len", type=int, default=32)
+    p.add_argument("--many", type=int, default=1000)
+    p.add_argument("--threads", type=int, default=None)
+    a = p.parse_args(argv)
+    base = EngineArgs(model=None if a.model == "bundled" else a.model, dtype=a.dtype, threads=a.threads,
+                      n_cells=a.prefix_len + a.branches * (a.branch_len + 8) + 512, max_num_batched_tokens=2048,
+                      max_num_seqs=max(256, a.many // 2 + 8), speculative="off")
+    base, name = resolve_args(base)
+    runner = ModelRunner.from_pretrained(base.model, dtype=base.dtype, **base.runner_kwargs())
+    model, tok = runner.model, runner.tokenizer
+    vocab = runner.config.get_text_config().vocab_size
+    prefix = prompts_for(1, a.prefix_len, seed=1, vocab_size=vocab)[0]
+    tails = prompts_for(a.branches, a.branch_len, seed=2, vocab_size=vocab)
+    work = Path(tempfile.mkdtemp(prefix="cellserve-durable-"))
+    try:
+        state = work / "state"
+        first = Engine(runner, EngineArgs(**{**base.__dict__, "state_dir": state}))
+        t0 = time.perf_counter()
+        branches = build_family(first, prefix, tails)
+        built_s = time.perf_counter() - t0
+        cell_bytes = runner.cell_bytes
+        del first
+
+        t0 = time.perf_counter()
+        restored = engine_on(model, tok, EngineArgs(**{**base.__dict__, "state_dir": state}))
+        restore_s = time.perf_counter() - t0
+        t_restored, w_restored = ttft(restored, branches)
+        del restored
+
+        bare = work / "tokens-only"
+        shutil.copytree(state / "sequences", bare / "sequences")
+        quiet = logging.getLogger("cellserve.state")
+        level, quiet.level = quiet.level, logging.ERROR  # "restored by recompute" for every branch: meant here
+        t0 = time.perf_counter()
+        recomputed = engine_on(model, tok, EngineArgs(**{**base.__dict__, "state_dir": bare}))
+        recompute_load_s = time.perf_counter() - t0
+        quiet.setLevel(level)
+        t_recomputed, w_recomputed = ttft(recomputed, branches)
+        del recomputed
+
+        on_disk = dir_bytes(state / "cells")
+        per_seq = (a.prefix_len + a.branch_len - 1) * cell_bytes  # one branch's cells, saved on its own
+
+        many = work / "many"
+        maker = engine_on(model, tok, EngineArgs(**{**base.__dict__, "state_dir": many}))
+        chunks = max(1, min(8, (a.prefix_len - 1) // CHUNK))
+        root, _ = maker.create_sequence(prefix[: chunks * CHUNK + 1])
+        drain(maker)
+        for i in range(a.many - 1):
+            maker.fork(root.seq_id, CHUNK * (1 + i % chunks) + 1)
+        del maker
+        t0 = time.perf_counter()
+        engine_on(model, tok, EngineArgs(**{**base.__dict__, "state_dir": many}))
+        t_many = time.perf_counter() - t0
+        t0 = time.perf_counter()
+        engine_on(model, tok, base)
+        t_empty = time.perf_counter() - t0
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    print(f"# python -m engine.bench.durable {' '.join(sys.argv[1:] if argv is None else argv)}")
+    print(f"# {machine()}")
+    print(f"model {name} ({base.dtype}), {cell_bytes} B/cell; family: {a.prefix_len}-token prefix, {a.branches} "
+          f"branches of {a.branch_len} tokens (built and saved in {built_s:.1f} s)")
+    print(f"restore of the family: {restore_s:.2f} s (engine build included; tokens only: {recompute_load_s:.2f} s)")
+    print(f"TTFT per branch, restored cells : first {t_restored[0] * 1e3:8.1f} ms, mean {statistics.mean(t_restored) * 1e3:8.1f} ms")
+    print(f"TTFT per branch, recomputed     : first {t_recomputed[0] * 1e3:8.1f} ms, mean {statistics.mean(t_recomputed) * 1e3:8.1f} ms")
+    print(f"  with the write of the sequence and its new cells: restored mean {statistics.mean(w_restored) * 1e3:.1f} ms, "
+          f"recomputed mean {statistics.mean(w_recomputed) * 1e3:.1f} ms")
+    print(f"  -> first branch {t_recomputed[0] / t_restored[0]:.1f}x faster restored; all {a.branches} branches "
+          f"{sum(t_recomputed) / sum(t_restored):.1f}x")
+    print(f"cell files on disk: {on_disk / 2**20:.1f} MiB vs {a.branches} x one branch = "
+          f"{a.branches * per_seq / 2**20:.1f} MiB ({on_disk / (a.branches * per_seq):.2f}x)")
+    print(f"restore of {a.many} sequences (forks at chunk boundaries): {t_many - t_empty:.2f} s "
+          f"({(t_many - t_empty) / a.many * 1e3:.2f} ms each; engine build {t_empty:.2f} s left out)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -17,10 +17,13 @@ Guarantees:
 
 import asyncio
 import json
+import logging
 from collections.abc import Sequence
 from typing import Any
 
 from server.errors import APIError
+
+log = logging.getLogger("cellserve.server")
 
 TOKEN_STR_CACHE = 1 << 16
 
@@ -57,7 +60,11 @@ class TokenizerService:
 
     async def encode(self, text: str, *, add_special_tokens: bool = True, param: str = "prompt") -> list[int]:
         self.check_length([text], param)
-        ids = await asyncio.to_thread(self.tok.encode, text, add_special_tokens=add_special_tokens)
+        try:
+            ids = await asyncio.to_thread(self.tok.encode, text, add_special_tokens=add_special_tokens)
+        except Exception as exc:  # a tokenizer bug met by this input: the request's 400, never the server's 500
+            log.warning("the tokenizer raised on a %s of %d characters: %r", param, len(text), exc)
+            raise APIError(400, f"the model's tokenizer could not encode this {param}: {exc}", param=param) from exc
         return self._non_empty(list(ids), param)
 
     async def encode_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,

@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -65,7 +66,9 @@ def _build() -> str | None:
             cpp_extension.load(
                 name="cellserve_kernels", sources=[str(s) for s in SOURCES], build_directory=str(build_dir),
                 extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], is_python_module=False, verbose=False)
-    except (RuntimeError, OSError, ImportError) as e:  # a failed compile must never take the server down: fall back
+    # a compile error (RuntimeError), a compiler that fails even `--version` (CalledProcessError), a missing
+    # file: the build falls back to eager ops, never takes the server down
+    except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as e:
         lines = str(e).strip().splitlines() or [type(e).__name__]
         return "build failed: " + next((line for line in lines if "error" in line), lines[-1])
     return None

@@ -34,6 +34,7 @@ MAX_GUIDED_CHARS = 1 << 20  # a schema/regex/grammar larger than 1 MiB is refuse
 MAX_ALLOWED_TOKENS = 1 << 16
 MAX_BAD_WORDS = 128
 MAX_BAD_WORD_TOKENS = 32
+MAX_PREDICTION_TOKENS = 1 << 15  # a predicted output longer than this is refused (it is searched every draft)
 PRIORITY_RANGE = (-(2**31), 2**31 - 1)
 _SEED_MIN, _SEED_MAX = -(2**63), 2**64 - 1  # the range torch.Generator.manual_seed accepts
 
@@ -115,6 +116,9 @@ class SamplingParams:
       a longer one's last token is masked when the output ends with the rest of it.
     `priority` (lower first, vLLM's convention): the scheduler admits waiting requests in (priority,
     arrival) order and preempts the running request of the highest value first (engine/core/scheduler.py).
+    `prediction_ids`: the output the client expects (OpenAI's predicted outputs), tokenized: a draft source
+    for speculative decoding (engine/core/speculative.py) when the engine speculates; it never changes
+    what is generated, only how many tokens one step may keep.
     """
 
     max_tokens: int = 16
@@ -140,6 +144,7 @@ class SamplingParams:
     bad_words_ids: list[list[int]] = field(default_factory=list)
     priority: int = 0
     skip_special_tokens: bool = True  # the detokenizer leaves special tokens' text out (vLLM's default)
+    prediction_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self):
         self.max_tokens = _integer("max_tokens", self.max_tokens, 0, 2**31 - 1)
@@ -180,6 +185,10 @@ class SamplingParams:
         if any(not w or len(w) > MAX_BAD_WORD_TOKENS for w in self.bad_words_ids):
             raise SamplingError("bad_words", f"each word must be 1 to {MAX_BAD_WORD_TOKENS} tokens")
         self.priority = _integer("priority", self.priority, *PRIORITY_RANGE)
+        self.prediction_ids = self._check_token_list("prediction", self.prediction_ids)
+        if len(self.prediction_ids) > MAX_PREDICTION_TOKENS:
+            raise SamplingError("prediction", f"is {len(self.prediction_ids)} tokens; at most "
+                                f"{MAX_PREDICTION_TOKENS} are accepted")
         if self.guided is not None and not isinstance(self.guided, GuidedDecoding):
             raise SamplingError("guided", f"must be a GuidedDecoding, got {type(self.guided).__name__}")
 
@@ -212,7 +221,8 @@ class SamplingParams:
         """Raise SamplingError if a token id in logit_bias or stop_token_ids is outside the vocabulary."""
         for name, ids in (("logit_bias", self.logit_bias.keys()), ("stop_token_ids", self.stop_token_ids),
                           ("allowed_token_ids", self.allowed_token_ids or ()),
-                          ("bad_words", [t for w in self.bad_words_ids for t in w])):
+                          ("bad_words", [t for w in self.bad_words_ids for t in w]),
+                          ("prediction", self.prediction_ids)):
             bad = [t for t in ids if t >= vocab_size]
             if bad:
                 raise SamplingError(name, f"token ids {bad[:5]} are outside the vocabulary [0, {vocab_size})")

@@ -2,9 +2,11 @@
 
 At one sequence a CPU decode step streams every weight once per token, so the only way past the memory
 bandwidth floor is more tokens per weight pass. A decoding sequence may carry a *draft*: up to k tokens
-guessed without a model, from its own history (prompt lookup: the continuation of the most recent
-earlier occurrence of its last n tokens) or, failing that, from a sibling's (the other choices of an
-`n > 1` request, which share its prompt and often its phrasing). The draft rides the ordinary flat step
+guessed without a model: from the request's predicted output (OpenAI's `prediction`, when its output so
+far follows the prediction: the prediction's next tokens), from its own history (prompt lookup: the
+continuation of the most recent earlier occurrence of its last n tokens), or, failing that, from the
+prediction's or a sibling's (the other choices of an `n > 1` request, which share its prompt and often its
+phrasing). The draft rides the ordinary flat step
 as a short chunk after the sequence's last token, on the sequence's own cells, and every drafted
 position's logits come back. `verify` then takes the longest prefix of the draft that the sequence would
 have produced anyway plus the token its first mismatch (or the draft's end) yields, and drops the cells
@@ -98,8 +100,14 @@ class SpeculativeDecoder:
     def _draft_for(self, seq: Sequence) -> list[int]:
         room = min(seq.draft_len or self.k, seq.params.max_tokens - seq.num_generated - 1,
                    self.max_model_len - len(seq.token_ids) - 1)
+        predicted = seq.params.prediction_ids
+        if predicted:
+            out = seq.output_ids
+            ahead = predicted[len(out) : len(out) + room] if room > 0 else []
+            if ahead and predicted[: len(out)] == out:  # on the prediction so far: its next tokens
+                return ahead
         siblings = [s.token_ids for s in seq.request.seqs if s is not seq]
-        return lookup_draft(seq.token_ids, siblings, room)
+        return lookup_draft(seq.token_ids, [predicted, *siblings] if predicted else siblings, room)
 
     def verify(self, chunks: list[Chunk], logits: torch.Tensor,
                news: dict[Request, dict[int, CompletionOutput]]) -> int:

@@ -55,8 +55,7 @@ CHAT_ONLY: dict[str, tuple] = {"tools": ([],), "tool_choice": ("none",), "max_co
 COMPLETIONS_ONLY: dict[str, tuple] = {"echo": (False,), "suffix": ("",)}
 # Accepted and ignored: they change nothing this server computes (listed in the README).
 IGNORED = ("model", "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
-           "request_id", "parallel_tool_calls (without tools)", "prediction (no draft source uses it yet)",
-           "spaces_between_special_tokens (fast tokenizers never add them)")
+           "request_id", "parallel_tool_calls (without tools)", "spaces_between_special_tokens (fast tokenizers never add them)")
 GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "grammar",
                  "json_schema")
 GUIDED_BACKENDS = ("xgrammar", "auto")
@@ -69,6 +68,21 @@ def reject_unsupported(data: dict, unsupported: dict[str, tuple]) -> None:
             continue
         raise ParamError(name, f"'{name}' is not supported by this server (got {value!r}); remove it"
                          + (f" or send {off[0]!r}" if off else ""))
+
+
+class PredictionPart(StrictModel):
+    type: Literal["text"]
+    text: str
+
+
+class Prediction(StrictModel):
+    """OpenAI's predicted output: `{"type": "content", "content": text or [text parts]}`."""
+
+    type: Literal["content"]
+    content: str | list[PredictionPart]
+
+    def text(self) -> str:
+        return self.content if isinstance(self.content, str) else "".join(p.text for p in self.content)
 
 
 class FunctionCall(StrictModel):
@@ -212,7 +226,8 @@ class SamplingFields(StrictModel):
     skip_special_tokens: bool = True
     # Fast tokenizers (every model here) never put spaces between special tokens: accepted either way, as vLLM
     spaces_between_special_tokens: bool = True
-    prediction: dict[str, Any] | None = None  # OpenAI's predicted outputs: accepted, not used as a draft yet
+    # OpenAI's predicted outputs: a draft source when the engine speculates (never changes the output)
+    prediction: Prediction | None = None
 
     @field_validator("grammar", mode="before")
     @classmethod
@@ -388,17 +403,19 @@ PASSTHROUGH = ("temperature", "top_p", "top_k", "min_p", "seed", "stop_token_ids
 
 def sampling_params(fields: SamplingFields, *, max_tokens: int, logprobs: int | None,
                     guided: dict | None = None, prompt_logprobs: int | None = None,
-                    bad_words_ids: list[list[int]] | None = None, eos_token_ids: list[int] | None = None
-                    ) -> SamplingParams:
+                    bad_words_ids: list[list[int]] | None = None, eos_token_ids: list[int] | None = None,
+                    prediction_ids: list[int] | None = None) -> SamplingParams:
     """`guided`: an output constraint that overrides the fields' own (tool calls build one).
     `prompt_logprobs`: also score the prompt tokens (with this many alternatives each).
     `bad_words_ids`: the request's `bad_words` tokenized (`TokenizerService.bad_words_ids`);
-    `eos_token_ids`: the tokenizer's EOS ids, masked with stop_token_ids while `min_tokens` is not reached."""
+    `eos_token_ids`: the tokenizer's EOS ids, masked with stop_token_ids while `min_tokens` is not reached;
+    `prediction_ids`: the request's `prediction` tokenized (a draft source)."""
     kwargs: dict[str, Any] = {"max_tokens": max_tokens, "n": fields.n, "ignore_eos": fields.ignore_eos,
                               "logprobs": logprobs, "prompt_logprobs": prompt_logprobs,
                               "min_tokens": fields.min_tokens, "allowed_token_ids": fields.allowed_token_ids,
                               "bad_words_ids": bad_words_ids or [], "priority": fields.priority,
                               "skip_special_tokens": fields.skip_special_tokens,
+                              "prediction_ids": prediction_ids or [],
                               "eos_token_ids": (eos_token_ids or []) if fields.min_tokens else []}
     for name in PASSTHROUGH:
         value = getattr(fields, name)

@@ -36,9 +36,13 @@ def truncated(prompt: list[int], body: SamplingFields) -> list[int]:
 
 
 async def token_rules(ctx: ServerContext, body: SamplingFields) -> dict:
-    """The token-id inputs of the sampler's rules: `bad_words` tokenized, EOS ids for `min_tokens`."""
+    """The token-id inputs of the sampler's rules: `bad_words` tokenized, EOS ids for `min_tokens`, and the
+    `prediction` tokenized (a speculative draft source)."""
+    predicted = body.prediction.text() if body.prediction is not None else ""
     return {"bad_words_ids": await ctx.tokens.bad_words_ids(body.bad_words) if body.bad_words else None,
-            "eos_token_ids": ctx.tokens.eos_ids() if body.min_tokens else None}
+            "eos_token_ids": ctx.tokens.eos_ids() if body.min_tokens else None,
+            "prediction_ids": await ctx.tokens.encode(predicted, add_special_tokens=False, param="prediction")
+            if predicted else None}
 
 
 @router.post("/v1/completions", responses=STREAMED_200)

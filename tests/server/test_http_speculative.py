@@ -41,3 +41,26 @@ def test_drafts_change_nothing_a_client_reads_but_the_usage_details(model_dir):
         metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
     accepted = [line for line in metrics.splitlines() if line.startswith("cellserve:spec_decode_num_accepted_tokens")]
     assert accepted and float(accepted[0].split()[-1]) > 0
+
+
+def test_a_prediction_is_a_draft_source_and_changes_nothing_but_the_usage(model_dir):
+    """OpenAI's predicted outputs: with the plain reply as `prediction`, the same reply comes back with part
+    of it accepted from the prediction; a wrong one gives the same reply too; a malformed one is a 400. (A
+    prediction is text: where its tokenization differs from the tokens the model produced, drafts miss
+    until an n-gram re-aligns them; the engine test checks the token-exact case.)"""
+    with LiveServer(model_dir, speculative="auto") as srv, srv.client() as c:
+        for route, body in (("/v1/completions", {"prompt": "JULIET: O Romeo"}),
+                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi there"}]})):
+            body = {**body, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+            plain = c.post(route, json=body).json()
+            text = plain["choices"][0].get("text") or plain["choices"][0]["message"]["content"]
+            accepted = []
+            for predicted in (text, "nothing like it at all " * 3):
+                parts = [{"type": "text", "text": predicted}]  # the list form of `content`
+                got = c.post(route, json={**body, "prediction": {"type": "content", "content": parts}}).json()
+                assert got["choices"] == plain["choices"]
+                details = got["usage"].get("completion_tokens_details") or {"accepted_prediction_tokens": 0}
+                accepted.append(details["accepted_prediction_tokens"])
+            assert accepted[0] >= 4 and accepted[1] < accepted[0], (route, accepted)
+        r = c.post("/v1/completions", json={"prompt": "x", "prediction": {"type": "image", "content": "x"}})
+        assert r.status_code == 400 and r.json()["error"]["param"].startswith("prediction"), r.text

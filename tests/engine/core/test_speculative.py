@@ -123,3 +123,27 @@ def test_auto_backs_off_a_sequence_whose_drafts_miss(model):
         assert [o.tokens for o in _run(engine, prompts, greedy(60))] == [o.tokens for o in plain]
         drafted[mode] = engine.speculative.drafted
     assert 0 < drafted["auto"] < drafted["ngram"]
+
+
+def test_a_predicted_output_drafts_what_it_predicts_and_changes_nothing(model):
+    """OpenAI's `prediction`: the right prediction is kept in long drafts (few steps); a wrong one, or one
+    the output leaves, is rejected and the output is still token for token the plain greedy one."""
+    p = prompt(20, 2)  # no repetition: prompt lookup alone finds nothing to copy
+    want = greedy_oracle(model, p, 24)
+    plain = make_engine(model=model, speculative="off")
+    assert _run(plain, [p], greedy(24))[0].tokens[0] == want
+    for predicted, kept in ((want, True), (want[:10] + [t ^ 1 for t in want[10:]], True), ([3] * 24, False)):
+        engine = make_engine(model=model, speculative="ngram")
+        params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, prediction_ids=predicted)
+        assert _run(engine, [p], params)[0].tokens[0] == want
+        assert (engine.speculative.accepted >= 9) == kept, (predicted, engine.speculative.accepted)
+    right = make_engine(model=model, speculative="ngram")
+    _run(right, [p], SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, prediction_ids=want))
+    assert right.steps <= 24 // 4 + 3  # k=4 drafts, each kept whole (+ the prefill)
+
+
+def test_a_prediction_is_validated_like_any_token_list():
+    with pytest.raises(ValueError, match="prediction"):
+        SamplingParams(prediction_ids=["a"])
+    with pytest.raises(ValueError, match="prediction"):
+        SamplingParams(prediction_ids=[0] * (1 << 16))

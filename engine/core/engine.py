@@ -68,7 +68,7 @@ class Engine:
         if cfg.speculative in ("auto", "ngram"):
             self.speculative = SpeculativeDecoder(self.scheduler, self.sampler, self.outputs,
                                                   cfg.num_speculative_tokens, runner.max_model_len,
-                                                  always=cfg.speculative == "ngram")
+                                                  always=cfg.speculative == "ngram", persistent=self.persistent.by_id.get)
         self.steps = self.generated_tokens = self.prompt_tokens = 0
 
     @classmethod

@@ -2,11 +2,13 @@
 
 At one sequence a CPU decode step streams every weight once per token, so the only way past the memory
 bandwidth floor is more tokens per weight pass. A decoding sequence may carry a *draft*: up to k tokens
-guessed without a model: from the request's predicted output (OpenAI's `prediction`, when its output so
-far follows the prediction: the prediction's next tokens), from its own history (prompt lookup: the
-continuation of the most recent earlier occurrence of its last n tokens), or, failing that, from the
-prediction's or a sibling's (the other choices of an `n > 1` request, which share its prompt and often its
-phrasing). The draft rides the ordinary flat step
+guessed without a model. First a text the sequence follows token for token, whose next tokens are
+the draft: the request's predicted output (OpenAI's `prediction`, while the output so far equals its
+start) or, for a forked persistent sequence, its parent's tokens past the fork point (a regenerate or an
+edit forks where the parent's old reply began: while the new reply repeats the old one, it is drafted
+whole). Failing that, prompt lookup: the continuation of the most recent earlier occurrence of its last n
+tokens in its own history, then in those texts and its siblings' (the other choices of an `n > 1`
+request, which share its prompt and often its phrasing). The draft rides the ordinary flat step
 as a short chunk after the sequence's last token, on the sequence's own cells, and every drafted
 position's logits come back. `verify` then takes the longest prefix of the draft that the sequence would
 have produced anyway plus the token its first mismatch (or the draft's end) yields, and drops the cells
@@ -29,6 +31,8 @@ Guarantees:
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -75,8 +79,11 @@ class SpeculativeDecoder:
     """Proposes drafts for the running sequences before a tick and verifies them after its forward."""
 
     def __init__(self, scheduler: Scheduler, sampler: Sampler, outputs: OutputProcessor, k: int,
-                 max_model_len: int, *, always: bool = True):
+                 max_model_len: int, *, always: bool = True,
+                 persistent: Callable[[str], Sequence | None] = lambda seq_id: None):
+        """`persistent`: a persistent sequence by id (a fork's parent is a draft source), None if gone."""
         self.scheduler, self.sampler, self.outputs = scheduler, sampler, outputs
+        self.persistent = persistent
         self.k, self.max_model_len, self.always = k, max_model_len, always
         self.drafted = self.accepted = 0  # tokens proposed / kept, for reports
 
@@ -100,14 +107,25 @@ class SpeculativeDecoder:
     def _draft_for(self, seq: Sequence) -> list[int]:
         room = min(seq.draft_len or self.k, seq.params.max_tokens - seq.num_generated - 1,
                    self.max_model_len - len(seq.token_ids) - 1)
-        predicted = seq.params.prediction_ids
-        if predicted:
-            out = seq.output_ids
-            ahead = predicted[len(out) : len(out) + room] if room > 0 else []
-            if ahead and predicted[: len(out)] == out:  # on the prediction so far: its next tokens
+        if room <= 0:
+            return []
+        followed = self._followed(seq)
+        for text, start in followed:
+            n = len(seq.token_ids)
+            ahead = text[n - start : n - start + room] if n - start >= 0 else []
+            if ahead and text[: n - start] == seq.token_ids[start:]:  # following it so far: its next tokens
                 return ahead
         siblings = [s.token_ids for s in seq.request.seqs if s is not seq]
-        return lookup_draft(seq.token_ids, [predicted, *siblings] if predicted else siblings, room)
+        return lookup_draft(seq.token_ids, [text for text, _ in followed] + siblings, room)
+
+    def _followed(self, seq: Sequence) -> list[tuple[list[int], int]]:
+        """Texts the sequence may follow token for token, each with the position of seq.token_ids where
+        it starts: the request's prediction (at the output's start), a fork's parent (past the fork)."""
+        texts = [(seq.params.prediction_ids, seq.gen_start)] if seq.params.prediction_ids else []
+        parent = self.persistent(seq.parent) if seq.parent is not None and seq.fork_at is not None else None
+        if parent is not None and len(parent.token_ids) > seq.fork_at:
+            texts.append((parent.token_ids[seq.fork_at :], seq.fork_at))
+        return texts
 
     def verify(self, chunks: list[Chunk], logits: torch.Tensor,
                news: dict[Request, dict[int, CompletionOutput]]) -> int:

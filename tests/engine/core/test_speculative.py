@@ -147,3 +147,23 @@ def test_a_prediction_is_validated_like_any_token_list():
         SamplingParams(prediction_ids=["a"])
     with pytest.raises(ValueError, match="prediction"):
         SamplingParams(prediction_ids=[0] * (1 << 16))
+
+
+def test_a_regenerate_fork_drafts_its_parents_old_reply(model):
+    """A chat page's regenerate forks a conversation where its last reply began: a greedy regenerate
+    repeats that reply, so the parent's tokens past the fork point are drafted whole (few steps)."""
+    p = prompt(20, 2)  # nothing to copy from the prompt itself
+    engine = make_engine(model=model, speculative="ngram")
+    seq, _ = engine.create_sequence(p)
+    drain(engine)
+    first = Collector()
+    engine.add_request("a", [], greedy(24), first, seq.seq_id)
+    drain(engine)
+    child = engine.fork(seq.seq_id, len(p))
+    accepted, steps = engine.speculative.accepted, engine.steps
+    again = Collector()
+    engine.add_request("b", [], greedy(24), again, child.seq_id)
+    drain(engine)
+    check_cells_match_sequences(engine)
+    assert again.tokens[0] == first.tokens[0] == greedy_oracle(model, p, 24)
+    assert engine.speculative.accepted - accepted >= 18 and engine.steps - steps <= 24 // 4 + 2

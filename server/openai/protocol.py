@@ -4,7 +4,7 @@ shares: what a client may send, checked before any work.
 Guarantees:
 - Unknown fields are ignored, as OpenAI's server does (the `openai` SDK's `extra_body` lands here), but a
   known OpenAI/vLLM/llama.cpp field this server does not honour is a 400 naming it (`UNSUPPORTED`),
-  unless it holds its no-op value (`best_of: 1`, `skip_special_tokens: true`, ...): a request is never
+  unless it holds its no-op value (`best_of: 1`, `use_beam_search: false`, ...): a request is never
   silently answered as if a field it relies on had been applied. Fields that change nothing here
   (`user`, `model`, `metadata`, `store`, `service_tier`, ...) are accepted and ignored (`IGNORED`).
 - Types are strict: `"5"` is not an int, `1` is not a bool; a float field accepts an int. A wrong type

@@ -4,8 +4,11 @@ whether the outputs are identical.
     python -m engine.bench.speculative [--model smollm2-135m-instruct] [--clients 1,8] [--repeats 2]
 
 Workloads where output repeats input (real weights are needed: random weights never accept a draft):
-`edit` (return a short program with one change), `quote` (answer by quoting the passage), and `free`
-(an open question: little to copy, where speculation must not cost). Every request is greedy and runs
+`edit` (return a short program with one change), `quote` (answer by quoting the passage), `free`
+(an open question: little to copy, where speculation must not cost), and `regen` / `regen-sampled`: a
+chat page's regenerate (each client's conversation is a persistent sequence that answered the open
+question once, untimed; the timed reply is generated on a fork where that answer began, greedy or sampled
+at temperature 0.8 with a seed of its own: drafts come from the parent's old answer). Every request is greedy and runs
 to `--max-tokens` or EOS; the engine runs the same requests with `speculative=--mode` and `"off"`,
 alternating `--repeats` times, and the best wall time of each is kept. In bf16 a drafted row runs through
 the multi-row kernels, so on a near-tie its argmax can differ from the one-row step's (as batching can);
@@ -48,20 +51,39 @@ WORKLOADS = {
     "quote": f"Repeat the following passage word for word.\n\n{PASSAGE}",
     "free": "Write a short story about a lighthouse keeper who finds a message in a bottle.",
 }
+REGENERATE = {"regen": 0.0, "regen-sampled": 0.8}  # workload -> the regenerate's temperature (on `free`)
 
 
-def run(engine: Engine, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[list[int]]]:
+def run(engine: Engine, prompts: list[list[int]], max_tokens: int, temperature: float | None = None
+        ) -> tuple[float, list[list[int]]]:
+    """Greedy completions of `prompts`; with `temperature`, regenerates instead (`REGENERATE`)."""
     outs: dict[str, list[int]] = {}
 
     def sink(rid):
         return lambda out: outs.setdefault(rid, []).extend(out.outputs[0].token_ids)
 
+    on = [None] * len(prompts)
+    params = [SamplingParams(max_tokens=max_tokens, temperature=0)] * len(prompts)
+    if temperature is not None:  # the first answers, untimed; then the regenerates, on forks
+        seqs = [engine.create_sequence(p)[0] for p in prompts]
+        while engine.has_unfinished():  # their prefills
+            engine.step()
+        for i, seq in enumerate(seqs):
+            engine.add_request(f"first{i}", [], SamplingParams(max_tokens=max_tokens, temperature=0), None,
+                               seq.seq_id)
+        while engine.has_unfinished():
+            engine.step()
+        on = [engine.fork(seq.seq_id, len(p)).seq_id for seq, p in zip(seqs, prompts)]
+        params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i) for i in range(len(prompts))]
     t = time.perf_counter()
     for i, p in enumerate(prompts):
-        engine.add_request(f"r{i}", p, SamplingParams(max_tokens=max_tokens, temperature=0), sink(f"r{i}"))
+        engine.add_request(f"r{i}", [] if on[i] else p, params[i], sink(f"r{i}"), on[i])
     while engine.has_unfinished():
         engine.step()
-    return time.perf_counter() - t, [outs[f"r{i}"] for i in range(len(prompts))]
+    wall = time.perf_counter() - t
+    for seq_id in list(engine.persistent.by_id):  # the runner's pool outlives this engine: leave it empty
+        engine.delete(seq_id)
+    return wall, [outs[f"r{i}"] for i in range(len(prompts))]
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -73,7 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--mode", default="auto", choices=["auto", "ngram"], help="the speculative mode set against off")
-    p.add_argument("--workloads", default=",".join(WORKLOADS), help="comma-separated, of " + ", ".join(WORKLOADS))
+    names = [*WORKLOADS, *REGENERATE]
+    p.add_argument("--workloads", default=",".join(names), help="comma-separated, of " + ", ".join(names))
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     print("command:", shlex.join([sys.executable, "-m", "engine.bench.speculative", *(argv or sys.argv[1:])]))
@@ -84,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     mode = args.mode
     print(f"{'workload':8} {'clients':>7} {'off tok/s':>10} {mode + ' tok/s':>12} {'x':>6} {'accepted':>9} same")
     for name in args.workloads.split(","):
-        text = WORKLOADS[name]
+        text = WORKLOADS.get(name, WORKLOADS["free"])
         ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                       tokenize=True, return_dict=False)
         for clients in (int(c) for c in args.clients.split(",")):
@@ -92,7 +115,7 @@ def main(argv: list[str] | None = None) -> int:
             for _ in range(args.repeats):
                 for m in ("off", mode):
                     engine = Engine(runner, EngineArgs(speculative=m, prefix_caching=False))
-                    wall, got = run(engine, [list(ids)] * clients, args.max_tokens)
+                    wall, got = run(engine, [list(ids)] * clients, args.max_tokens, REGENERATE.get(name))
                     tokens = sum(len(o) for o in got)
                     best[m] = max(best.get(m, 0.0), tokens / wall)
                     outs[m] = got

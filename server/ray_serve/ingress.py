@@ -90,7 +90,7 @@ class ReplicaSet:
         return list(await asyncio.gather(*(self.info(i) for i in range(len(self.handles)))))
 
     def choose(self, path: str, body: bytes) -> tuple[int, str]:
-        some_id = routed_id(path)
+        some_id = routed_id(path, body)
         parsed = parse_id(some_id) if some_id else None
         if parsed is not None and parsed[0] < len(self.handles):
             return parsed[0], "affinity"

@@ -1,7 +1,8 @@
 """Routing decisions of the scale-out ingress, free of Ray and torch (unit-testable, cheap to import).
 
 - **Affinity**: every id a replica makes carries `r<index>-<boot>-` after its kind (`seq-r1-3f9a2c01-<hex>`,
-  see `engine.core.sequence.set_tag`). The index says which replica holds the sequence or runs the request, so
+  see `engine.api.ids.set_tag`); a request about one (its path names it, or a Responses request's
+  `previous_response_id` does) goes to that replica. The index says which replica holds the sequence or runs the request, so
   routing needs no table and survives an ingress restart; the boot token (random per replica start)
   lets a restarted replica tell a sequence it never had (`404`, "the replica restarted") from one
   that never existed.
@@ -20,7 +21,7 @@ import time
 from collections import OrderedDict
 
 ID = re.compile(r"^[a-z]+-r(\d+)-([0-9a-f]{8})-[0-9a-f]{32}$")
-ROUTED = re.compile(r"^/v1/(?:sequences|requests)/([^/]+)(?:/[^/]*)?$")
+ROUTED = re.compile(r"^/v1/(?:sequences|requests|responses)/([^/]+)(?:/[^/]*)?$")
 PREFIX_CHARS = (256, 1024, 4096, 16384)
 PREFIX_SLACK = 4
 PREFIX_ENTRIES = 4096
@@ -41,10 +42,21 @@ def parse_id(some_id: str) -> tuple[int, str] | None:
     return (int(m.group(1)), m.group(2)) if m else None
 
 
-def routed_id(path: str) -> str | None:
-    """The sequence or request id a path names (`/v1/sequences/{id}[/verb]`, `/v1/requests/{id}/cancel`)."""
+def routed_id(path: str, body: bytes = b"") -> str | None:
+    """The id a request is about: the sequence, request or stored response its path names
+    (`/v1/sequences/{id}[/verb]`, `/v1/requests/{id}/cancel`, `/v1/responses/{id}[/input_items]`), or the
+    `previous_response_id` of a `POST /v1/responses` (a stored response is a sequence on one replica)."""
     m = ROUTED.match(path)
-    return m.group(1) if m else None
+    if m:
+        return m.group(1)
+    if path != "/v1/responses" or b"previous_response_id" not in body:
+        return None
+    try:
+        data = json.loads(body)
+    except ValueError:
+        return None
+    previous = data.get("previous_response_id") if isinstance(data, dict) else None
+    return previous if isinstance(previous, str) else None
 
 
 class LoadBoard:

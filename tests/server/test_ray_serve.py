@@ -205,6 +205,27 @@ def test_sequence_operations_never_cross_replicas(url):
     assert set(kept) <= set(listed) and all(listed[i] == replica_of(i) for i in kept)
 
 
+def test_stored_responses_are_continued_on_their_replica(url):
+    """A stored response is a sequence on one replica: continuing it (`previous_response_id`), reading it
+    and its input items go there, whichever replica the first turn landed on."""
+    with client(url) as c:
+        for k in range(4):  # least-loaded spreads the first turns over both replicas
+            first = c.post("/v1/responses", json={"input": f"story {k}:", "max_output_tokens": 2})
+            assert first.status_code == 200, first.text
+            rid = first.json()["id"]
+            for _ in range(2):
+                nxt = c.post("/v1/responses", json={"input": "go on", "previous_response_id": rid,
+                                                     "max_output_tokens": 2})
+                assert nxt.status_code == 200, nxt.text
+                assert nxt.headers["x-cellserve-route"] == "affinity"
+                assert nxt.headers["x-cellserve-replica"] == replica_of(rid)
+                assert nxt.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0
+                rid = nxt.json()["id"]
+            for path in (f"/v1/responses/{rid}", f"/v1/responses/{rid}/input_items"):
+                r = c.get(path)
+                assert r.status_code == 200 and r.headers["x-cellserve-replica"] == replica_of(rid), r.text
+
+
 def test_cancel_goes_to_the_replica_running_the_request(url):
     with client(url) as c, c.stream("POST", "/v1/completions", json={
             "prompt": "a", "max_tokens": LONG, "stream": True, "ignore_eos": True}) as s:
@@ -303,6 +324,11 @@ def test_single_server_does_not_import_ray():
 def test_routing_helpers():
     assert routed_id("/v1/sequences/seq-x/fork") == "seq-x" and routed_id("/v1/requests/cmpl-y/cancel") == "cmpl-y"
     assert routed_id("/v1/sequences") is None and parse_id("seq-" + "a" * 32) is None
+    assert routed_id("/v1/responses/resp-r1-x/input_items") == "resp-r1-x"
+    assert routed_id("/v1/responses", b'{"input": "hi", "previous_response_id": "resp-r2-y"}') == "resp-r2-y"
+    assert routed_id("/v1/responses", b'{"input": "hi"}') is None
+    assert routed_id("/v1/responses", b'{"previous_response_id": 5}') is None
+    assert routed_id("/v1/responses", b'[not json "previous_response_id"') is None
     assert parse_id("seq-r12-0badf00d-" + "a" * 32) == (12, "0badf00d")
     text = {"r0": '# HELP x_total X.\n# TYPE x_total counter\nx_total{k="a"} 1.0\n# TYPE y gauge\ny 2.0\n',
             "r1": '# HELP x_total X.\n# TYPE x_total counter\nx_total{k="a"} 3.0\n# TYPE y gauge\ny 4.0\n'}

@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # the server never imports the engine (torch) at run time; it
 
 def build_app(engine: Union["EngineClient", EngineFactory], *, served_model_name: str | None = None,
               api_key: str | None = None, shutdown_grace_s: float = 30.0, on_fatal=None,
-              limits: Limits | None = None, ui: bool = True) -> FastAPI:
+              limits: Limits | None = None, ui: bool = True, state_dir: str | None = None) -> FastAPI:
     """The HTTP app over `engine` (an EngineClient, or a zero-argument callable that builds one).
 
     `on_fatal(reason)` is called if the model fails to load or the engine loop dies (the CLI exits
@@ -41,9 +41,10 @@ def build_app(engine: Union["EngineClient", EngineFactory], *, served_model_name
     `/health` and `/metrics` needs the key, and the docs cannot send it. Paths are matched exactly
     (no trailing-slash redirects, which would build a `Location` from the client's `Host`), and every
     GET route answers HEAD too (HEAD-based health checks). `ui`: serve the chat page at `/` (static files
-    that need no key; the page asks for it on a 401)."""
+    that need no key; the page asks for it on a 401). `state_dir` (`--state-dir`, the engine's own folder):
+    stored responses are kept in `state_dir/responses` and come back after a restart."""
     ctx = ServerContext(engine, served_model_name=served_model_name, api_key=api_key,
-                        shutdown_grace_s=shutdown_grace_s, on_fatal=on_fatal, limits=limits)
+                        shutdown_grace_s=shutdown_grace_s, on_fatal=on_fatal, limits=limits, state_dir=state_dir)
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

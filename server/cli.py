@@ -16,7 +16,15 @@ import sys
 import threading
 
 from engine.api.args import EngineArgs
-from server.config import KEEP_ALIVE_S, engine_factory, human_bytes, limits_of, model_cache, pull
+from server.config import (
+    KEEP_ALIVE_S,
+    engine_factory,
+    human_bytes,
+    limits_of,
+    model_cache,
+    pull,
+    state_dir_of,
+)
 from server.limits import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_MAX_CHOICES,
@@ -126,7 +134,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     app = build_app(engine_factory(args), served_model_name=args.served_model_name, api_key=args.api_key,
                     shutdown_grace_s=args.shutdown_grace, on_fatal=on_fatal, limits=limits_of(args),
-                    ui=not args.no_ui)
+                    ui=not args.no_ui, state_dir=state_dir_of(args))
     ctx = app.state.ctx
     idle_trim_from_env(ctx._stats)  # opt-in malloc_trim when idle (server/memory.py)
 

@@ -57,6 +57,12 @@ def engine_factory(args: argparse.Namespace) -> Callable[[], object]:
     return build
 
 
+def state_dir_of(args: argparse.Namespace) -> str | None:
+    """`--state-dir`: the engine keeps its sequences there (`EngineArgs.state_dir`), the server its stored
+    responses (`DIR/responses`, server/responses/saved.py); None: memory only."""
+    return args.state_dir
+
+
 def limits_of(args: argparse.Namespace) -> Limits:
     """The serve flags' request limits (`--max-body-bytes`, `--max-header-bytes`, `--max-prompts`,
     `--max-choices`)."""

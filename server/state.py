@@ -33,7 +33,8 @@ EngineFactory = Callable[[], "EngineClient"]
 class ServerContext:
     def __init__(self, engine: Union["EngineClient", EngineFactory], *, served_model_name: str | None = None,
                  api_key: str | None = None, shutdown_grace_s: float = 30.0,
-                 on_fatal: Callable[[str], None] | None = None, limits: Limits | None = None):
+                 on_fatal: Callable[[str], None] | None = None, limits: Limits | None = None,
+                 state_dir: str | None = None):
         self._factory: EngineFactory | None = None if _is_engine(engine) else engine
         self.engine: EngineClient | None = engine if _is_engine(engine) else None
         self.state = "loading"
@@ -43,6 +44,7 @@ class ServerContext:
         self.shutdown_grace_s = shutdown_grace_s
         self.on_fatal = on_fatal
         self.limits = limits or Limits()
+        self.state_dir = state_dir  # --state-dir: the server keeps its stored responses there too
         self.tokens: TokenizerService | None = None
         self.metrics = ServerMetrics(self._stats)
         self.runs: dict[str, GenerationRun] = {}

@@ -52,7 +52,8 @@ class LiveServer:
         self.engine = None if factory else AsyncEngine.from_pretrained(model_dir, **engine_kw)
         self.fatal: list[str] = []
         self.app = build_app(factory or self.engine, served_model_name=MODEL_NAME, api_key=api_key,
-                             shutdown_grace_s=grace_s, limits=limits, on_fatal=self.fatal.append)
+                             shutdown_grace_s=grace_s, limits=limits, on_fatal=self.fatal.append,
+                             state_dir=engine_kw.get("state_dir"))
         self.ctx = self.app.state.ctx
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

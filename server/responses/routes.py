@@ -29,6 +29,7 @@ from server.responses.driver import NamedEventStream, Output
 from server.responses.items import item_dict, page
 from server.responses.protocol import ResponsesRequest
 from server.responses.reply import Reply, reply_of
+from server.responses.saved import ResponseFiles
 from server.responses.shapes import ResponseBuilder, usage
 from server.responses.store import ResponseStore, Stored
 from server.responses.toolcalls import ToolPlan, chat_template_of
@@ -43,7 +44,9 @@ def store_of(request: Request) -> ResponseStore:
     state = request.app.state
     store = getattr(state, "response_store", None)
     if store is None:
-        store = state.response_store = ResponseStore(ServerContext.of(request).limits.max_stored_responses)
+        ctx = ServerContext.of(request)
+        files = ResponseFiles(ctx.state_dir) if ctx.state_dir is not None else None
+        store = state.response_store = ResponseStore(ctx.limits.max_stored_responses, files)
     return store
 
 

@@ -13,6 +13,10 @@ Guarantees of `ResponseStore`:
   of the same response cannot both append: the second forks).
 - A response whose sequence is gone (deleted, expired by `--seq-ttl`) is forgotten when next seen
   (`forget_sequence`) and is a 404 from then on; nothing ever restarts it silently from scratch.
+- With `files` (`--state-dir`: `server.responses.saved.ResponseFiles`) every stored response is written
+  when stored and dropped when forgotten, and a new store starts with them (least recently stored
+  first); each sequence's tip is then its longest response, which a turn checks against the sequence's
+  length before appending (a turn cut short by a restart leaves the sequence longer: it forks instead).
 """
 
 import time
@@ -58,12 +62,19 @@ def system(instructions: str | None) -> list[dict]:
 
 
 class ResponseStore:
-    def __init__(self, max_stored: int = DEFAULT_MAX_STORED_RESPONSES):
+    def __init__(self, max_stored: int = DEFAULT_MAX_STORED_RESPONSES, files=None):
         self.max_stored = max_stored
+        self.files = files  # ResponseFiles (write, drop, load) or None: memory only
         self.by_id: OrderedDict[str, Stored] = OrderedDict()
         self.refs: dict[str, set[str]] = {}  # seq id -> ids of stored responses on it
         self.tips: dict[str, str | None] = {}  # seq id -> the response that is its whole history (None: none)
         self.busy: dict[str, int] = {}  # seq id -> turns running on it
+        for rec in files.load() if files is not None else ():
+            self.by_id[rec.id] = rec
+            self.refs.setdefault(rec.seq_id, set()).add(rec.id)
+            tip = self.by_id.get(self.tips.get(rec.seq_id) or "")
+            if tip is None or rec.length > tip.length:
+                self.tips[rec.seq_id] = rec.id
 
     def __len__(self) -> int:
         return len(self.by_id)
@@ -112,6 +123,8 @@ class ResponseStore:
         self.refs.setdefault(rec.seq_id, set()).add(rec.id)
         if tip:
             self.tips[rec.seq_id] = rec.id
+        if self.files is not None:
+            self.files.write(rec)
         dropped = []
         while len(self.by_id) > self.max_stored:
             _, old = self.by_id.popitem(last=False)
@@ -129,10 +142,14 @@ class ResponseStore:
     def forget_sequence(self, seq_id: str) -> None:
         """The sequence is gone (expired or deleted elsewhere): its responses are gone too."""
         for rid in self.refs.pop(seq_id, set()):
-            self.by_id.pop(rid, None)
+            rec = self.by_id.pop(rid, None)
+            if rec is not None and self.files is not None:
+                self.files.drop(rec)
         self.tips.pop(seq_id, None)
 
     def _unref(self, rec: Stored) -> str | None:
+        if self.files is not None:
+            self.files.drop(rec)
         ids = self.refs.get(rec.seq_id, set())
         ids.discard(rec.id)
         if self.tips.get(rec.seq_id) == rec.id:

@@ -121,9 +121,11 @@ async def plan(request: Request, ctx: ServerContext, store: ResponseStore, *, in
             except BaseException:
                 store.release(prev.seq_id, tip=prev.id)
                 raise
-            store.hold(prev.seq_id)
-            turn.cached_before = info.n_cached
-            return turn, max_tokens
+            if info.length == prev.length:
+                store.hold(prev.seq_id)
+                turn.cached_before = info.n_cached
+                return turn, max_tokens
+            turn.mode = "fork"  # the sequence went on past it (a turn a restart cut short): not its tip after all
         info = await _known(store, _engine(request, engine.fork(prev.seq_id, prev.length)), prev)
         turn.seq_id, turn.cached_before = info.seq_id, info.n_cached
         store.hold(info.seq_id)

@@ -23,7 +23,9 @@ import torch
 
 log = logging.getLogger("cellserve.kernels")
 
-SOURCES = tuple(Path(__file__).parent / "csrc" / name for name in ("cell_kernels.cpp", "small_linear.cpp", "quant_linear.cpp"))
+SOURCES = tuple(Path(__file__).parent / "csrc" / name
+                for name in ("cell_kernels.cpp", "small_linear.cpp", "quant_linear.cpp", "quant_gemm.cpp"))
+HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))  # in the cache key, not compiled alone
 # -fopenmp: at::parallel_for is inline and runs serially without it; the .so then links libgomp.so.1,
 # which resolves to the copy torch has already loaded (same soname), so there is one OpenMP runtime.
 # -fno-math-errno lets the softmax's exp vectorize.
@@ -78,7 +80,7 @@ def build_directory() -> Path:
     """Where this source, torch and CPU's build lives (-march=native: a build belongs to the CPU's
     instruction set as much as to the source and torch)."""
     tag = f"{torch.__version__} {_cpu_flags()} {_CFLAGS}"
-    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES) + tag.encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + tag.encode()).hexdigest()[:16]
     return Path(os.environ.get("CELLSERVE_KERNEL_CACHE", Path.home() / ".cache" / "cellserve" / "kernels")) / key
 
 

@@ -4,16 +4,20 @@ A `QuantWeight` (engine/loader/gguf_tensors.py: Q8_0, Q4_0, Q4_1 in 32-weight bl
 0.625 bytes per weight; Q4_K, Q5_K, Q6_K in 256-weight super-blocks, 0.578 / 0.703 / 0.820) is the only
 copy of a linear's weight. `QuantLinear` has `Linear`'s interface
 (call, `silu`, `times`, `plus`, `is_small`, `small`) plus `swiglu` for a [gate; up] weight:
-- 1 to 8 rows (decode, batched decode), with the fused kernels built: `torch.ops.cellserve.quant_linear`
-  (engine/model/kernels/csrc/quant_linear.cpp): the rows quantized per 32-block to int8 and dotted with
-  the weight blocks in integers (AVX-512 VNNI; plain C without it), each block read once for all rows,
-  bias, residual add and SiLU*up fused. Error against dequantize-then-`F.linear`: the activations'
-  rounding, at most sum_k |w_k| * da_b(k) / 2 per output (tests/engine/model/test_quant_linear.py).
-- more rows (prefill, batched decode) or no VNNI: the weight is dequantized to float32 one tile of
-  `TILE_BYTES` at a time (`quant_dequant`, or torch ops without the kernels) and multiplied by
-  `torch.mm`, so at most one tile of float32 exists per call; the result equals dequantize-then-`F.linear`
-  up to float32 summation order. (First version: each call unpacks the tiles again; a blocked GEMM that
-  keeps unpacked blocks in cache across rows is issue #26's next step.)
+- with the fused kernels built and AVX-512 VNNI, every row count runs in integers: the rows quantized
+  once per call per 32-block to int8 and dotted with the weight blocks (bias, residual add and SiLU*up
+  fused). Up to `ROW_KERNEL_ROWS` rows (decode): `torch.ops.cellserve.quant_linear`
+  (engine/model/kernels/csrc/quant_linear.cpp), which streams each weight block once for all the rows;
+  more rows (batched decode, prefill): `torch.ops.cellserve.quant_gemm` (csrc/quant_gemm.cpp), a blocked
+  GEMM that unpacks 32 weight rows x 512 inputs at a time and runs every row over them in int32
+  registers. Both round the activations alike, so their error against dequantize-then-`F.linear` is
+  the same: at most sum_k |w_k| * da_b(k) / 2 per output (tests/engine/model/test_quant_linear.py).
+  The crossover was measured (python -m engine.bench.quant_kernels; docs/performance.md, issue 26):
+  the GEMM beats the row kernel from 2-4 rows and beats the fp32-tile path below at every row count.
+- no VNNI (or `gemm` switched off, the bench's A/B): 1 to 8 rows on the row kernel (plain C without
+  VNNI), more rows dequantized to float32 one tile of `TILE_BYTES` at a time (`quant_dequant`, or torch
+  ops without the kernels) and multiplied by `torch.mm`, so at most one tile of float32 exists per call;
+  the result equals dequantize-then-`F.linear` up to float32 summation order.
 `QuantEmbedding` looks token rows up in the same blocks (a tied LM head and its embedding share them).
 `GroupLinear` runs stacked weights of several kinds (Q|K|V with V in Q6_K, as Q4_K_M files have it) as
 one linear per kind, and `CastLinear` / `CastEmbedding` hold the tensors of types the kernels do not
@@ -26,8 +30,9 @@ import torch.nn.functional as F
 from engine.loader.gguf_tensors import KIND_IDS, QuantWeight
 from engine.model.native.linear import Linear
 
-TILE_BYTES = 8 << 20  # float32 bytes of weight unpacked at once on the many-row path
-MAX_SMALL_ROWS = 8  # rows the one-pass integer kernel takes
+TILE_BYTES = 8 << 20  # float32 bytes of weight unpacked at once on the fp32-tile path
+MAX_SMALL_ROWS = 8  # rows the row kernel takes when the GEMM is off
+ROW_KERNEL_ROWS = 2  # rows the row kernel takes when the GEMM is on (measured crossover)
 
 
 def _kernels() -> bool:
@@ -43,6 +48,7 @@ class QuantLinear:
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.out_features, self.in_features = weight.shape
         self.small = False  # NativeLlama.fused sets it: the fused kernels are loaded
+        self.gemm = True  # many rows on quant_gemm (with `small` and VNNI); off: fp32 tiles, the old path
         self.tile = max(16, TILE_BYTES // (4 * self.in_features))
 
     @property
@@ -50,12 +56,15 @@ class QuantLinear:
         return self.weight.nbytes + (0 if self.bias is None else self.bias.numel() * 4)
 
     def is_small(self, x: torch.Tensor) -> bool:
-        """Whether this call runs the integer kernel (1 to 8 rows, kernels built with VNNI)."""
-        return self.small and x.shape[0] <= MAX_SMALL_ROWS and _kernels() and torch.ops.cellserve.quant_linear_fast()
+        """Whether this call runs in integers (kernels built with VNNI; any rows with `gemm`, else 1 to 8)."""
+        return (self.small and (self.gemm or x.shape[0] <= MAX_SMALL_ROWS) and _kernels()
+                and torch.ops.cellserve.quant_linear_fast())
 
     def _small(self, x, other, op) -> torch.Tensor:
         w = self.weight
-        return torch.ops.cellserve.quant_linear(x.float().contiguous(), w.tensors(), self.kind, self.bias, other, op)
+        kernel = torch.ops.cellserve.quant_gemm if self.gemm and x.shape[0] > ROW_KERNEL_ROWS else \
+            torch.ops.cellserve.quant_linear
+        return kernel(x.float().contiguous(), w.tensors(), self.kind, self.bias, other, op)
 
     def _tile(self, r0: int, r1: int) -> torch.Tensor:
         w = self.weight

@@ -6,11 +6,14 @@ Tolerances, and why:
   compute d * (q - z) + m in fp32 with the same roundings: for the K-quants (d * sc) * q - dmin * m, and
   (d * sc) * (q - 32) for q6_k; the C++ path is compiled without fused multiply-adds there).
 - many rows (dequantized tiles + torch.mm): fp32 summation order only: atol 1e-4 on outputs of size ~10.
-- 1 to 8 rows (the integer kernel): the activations are rounded per 32-block to int8 (scale
-  da = amax / 127, half away from zero), so against the fp32 reference an output may move by at most
-  sum_k |w_k| * da_b(k) / 2 (each activation moves by at most da / 2); the test asserts that bound
-  (+1e-4). Against a reference that rounds the activations the same way and sums in float64 the
-  kernel is exact up to fp32 summation: atol 2e-4.
+- the integer kernels (`quant_linear`, the row kernel: 1 to 8 rows at a time; `quant_gemm`, the blocked
+  GEMM for many rows): the activations are rounded per 32-block to int8 (scale da = amax / 127, half
+  away from zero), so against the fp32 reference an output may move by at most
+  sum_k |w_k| * da_b(k) / 2 (each activation moves by at most da / 2); the tests assert that bound
+  (+1e-4). Against a reference that rounds the activations the same way and sums in float64 both
+  kernels are exact up to fp32 summation: atol 2e-4 (outputs of size ~10, K up to 2,048; scaled by
+  1 + max |y| where the test scales x up); so they agree with each other within that too (the same
+  integers, summed in fp32 in a different order).
 """
 
 import sys
@@ -107,7 +110,61 @@ def test_small_rows_kernel(kind, k, rows):
     gu = torch.ops.cellserve.quant_linear(x, w.tensors(), KIND_IDS[kind], bias, None, "swiglu")
     torch.testing.assert_close(gu, F.silu(exact[:, : n // 2]) * exact[:, n // 2:], atol=2e-4, rtol=0)
     torch.testing.assert_close(lin.plus(x, other), exact + other, atol=2e-4, rtol=0)
-    torch.testing.assert_close(lin.swiglu(x), gu, atol=0, rtol=0)
+    torch.testing.assert_close(lin.swiglu(x), gu, atol=2e-4, rtol=0)  # > 2 rows: through quant_gemm
+
+
+# 32-weight kinds: 1,056 inputs = 33 blocks, so 17 pairs, the last one half, over 3 of the GEMM's
+# 512-input blocks; K-quants: 768 and 1,280 (2 and 3 of them)
+GEMM_K = {kind: [96, 1056] if kind not in K_KINDS else [768, 1280] for kind in KINDS}
+
+
+@pytest.mark.parametrize("kind,k", [(kind, k) for kind in KINDS for k in GEMM_K[kind]])
+def test_many_rows_gemm(kind, k):
+    """quant_gemm at row counts around its 4-row register tiles, 70 outputs (two 32-row tasks and a
+    partial one; swiglu: 35 = 16 + 16 + 3), every op, against the rounded-activation reference and
+    the bound; and equal to the row kernel run 8 rows at a time within float summation."""
+    n = 70
+    w, ref = _weight(kind, n, k, seed=k + 2)
+    tensors, kid = w.tensors(), KIND_IDS[kind]
+    for rows in (1, 3, 9, 37):
+        g = torch.Generator().manual_seed(rows)
+        x = torch.randn(rows, k, generator=g) * (1 + torch.rand(rows, 1, generator=g) * 4)
+        x[0, 32:64] = 0  # an all-zero activation block (scale 0)
+        bias, other = torch.randn(n, generator=g), torch.randn(rows, n, generator=g)
+        xr, da = _round_activations(x)
+        exact = (xr.double() @ ref.double().T + bias.double()).float()
+        y = torch.ops.cellserve.quant_gemm(x, tensors, kid, bias, None, "none")
+        torch.testing.assert_close(y, exact, atol=2e-4 * (1 + exact.abs().max()), rtol=0)
+        assert ((y - F.linear(x, ref, bias)).abs() <= (da / 2) @ ref.abs().T + 1e-4).all()
+        torch.testing.assert_close(y, torch.ops.cellserve.quant_linear(x, tensors, kid, bias, None, "none"),
+                                   atol=2e-4 * (1 + exact.abs().max()), rtol=0)
+        added = torch.ops.cellserve.quant_gemm(x, tensors, kid, bias, other, "add")
+        torch.testing.assert_close(added, exact + other, atol=2e-4 * (1 + exact.abs().max()), rtol=0)
+        gu = torch.ops.cellserve.quant_gemm(x, tensors, kid, bias, None, "swiglu")
+        want = F.silu(exact[:, : n // 2]) * exact[:, n // 2:]
+        torch.testing.assert_close(gu, want, atol=2e-4 * (1 + want.abs().max()), rtol=0)
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_quant_linear_many_rows_in_integers(kind):
+    """QuantLinear with the kernels: 1-2 rows on the row kernel, more on the GEMM, every verb."""
+    n, k = 90, _k(kind, 160)
+    w, ref = _weight(kind, n, k, seed=5)
+    lin = QuantLinear(w, torch.randn(n))
+    lin.small = True
+    if not torch.ops.cellserve.quant_linear_fast():
+        pytest.skip("the integer kernels run only with AVX-512 VNNI")
+    for rows in (2, 3, 33):
+        g = torch.Generator().manual_seed(rows)
+        x, other = torch.randn(rows, k, generator=g), torch.randn(rows, n, generator=g)
+        assert lin.is_small(x)
+        xr, _ = _round_activations(x)
+        want = (xr.double() @ ref.double().T + lin.bias.double()).float()
+        torch.testing.assert_close(lin(x), want, atol=2e-4, rtol=0)
+        torch.testing.assert_close(lin.plus(x, other), want + other, atol=2e-4, rtol=0)
+        torch.testing.assert_close(lin.silu(x), F.silu(want), atol=2e-4, rtol=0)
+        torch.testing.assert_close(lin.times(x, other), want * other, atol=2e-4, rtol=0)
+        torch.testing.assert_close(lin.swiglu(x), F.silu(want[:, :45]) * want[:, 45:], atol=2e-4, rtol=0)
 
 
 @pytest.mark.parametrize("small", [True, False], ids=["kernels", "eager"])
@@ -120,6 +177,7 @@ def test_many_rows_tiles(kind, small):
     bias = torch.randn(n, generator=g)
     lin = QuantLinear(w, bias)
     lin.small = small
+    lin.gemm = False  # the fp32-tile path (the GEMM's A/B baseline; the path without VNNI)
     lin.tile = 16  # six tiles, the last one partial: the whole fp32 matrix is never built
     assert not lin.is_small(x)
     want = F.linear(x, ref, bias)

@@ -1,24 +1,9 @@
 // quant_linear: `x @ W.T` with W held in llama.cpp's block quantizations, read as they are.
 //
-// A weight [N, K] of kind q8_0, q4_0, q4_1 (32-weight blocks), q4_k, q5_k or q6_k (256-weight
-// super-blocks of 32- or 16-weight groups) is up to six arrays, one row of blocks per output row
-// (engine/loader/gguf_tensors.py repacks the file's blocks into them once at load and documents them):
-//   qs  uint8 [N, K] (q8_0: the int8 value + 128) or [N, K/2] (every other kind: per 32 weights,
-//       byte j = element j (low nibble) | element j + 16 (high nibble), Q4_0's own layout)
-//   d   fp16  [N, K/32] the block's scale, or [N, K/256] the super-block's d (K-quants)
-//   m   fp16  q4_1: [N, K/32] the block minimum; q4_k/q5_k: [N, K/256] dmin
-//   sc  q4_k/q5_k uint8 [N, K/32] 6-bit scales; q6_k int8 [N, K/16]
-//   mn  q4_k/q5_k uint8 [N, K/32] 6-bit mins
-//   qh  high bits per 64 weights in the order below: q5_k 8 bytes (bit 4), q6_k 16 (bit 4, bit 5 planes)
-// The kernels read the weights two 32-blocks ("a pair", 64 weights) at a time, in this order:
-// q8_0 the natural one; the others [b0 0..15, b1 0..15, b0 16..31, b1 16..31] (low nibbles of both
-// blocks, then high nibbles). Each 16 consecutive positions ("a chunk") are 16 weights of one block
-// (a q6_k scale group), and each int32 lane (4 positions) lies in one chunk. Per lane the weight is
-//   w = dv * (q - z) + mv
-// with z = 128 (q8_0), 8 (q4_0), 32 (q6_k), else 0; dv = d (32-weight kinds), d * sc_j (q4_k, q5_k),
-// d * sc_g (q6_k); mv = m (q4_1), -dmin * mn_j (q4_k, q5_k), else 0.
+// The block layouts, the pair order and the per-lane arithmetic: quant_blocks.h.
 //
-// quant_linear (1 to 8 rows: decode, batched decode): each row of x is quantized per 32-block to int8 (amax / 127
+// quant_linear (1 to 8 rows at a time: decode, batched decode; more rows 8 at a time, the fallback
+// without VNNI): each row of x is quantized per 32-block to int8 (amax / 127
 // scale, round half away from zero, as llama.cpp's q8_0/q8_K activations), each weight pair is dotted
 // with it in integers (AVX-512 VNNI `vpdpbusd`: unsigned weight bytes x signed activation bytes, 4
 // products per int32 lane), and per lane
@@ -28,41 +13,22 @@
 // loaded and unpacked once for all the rows. Without VNNI the same integer sums run in plain C.
 //   op "none" y = x W^T + b; "add" y = other + x W^T + b; "swiglu": W = [gate; up] (2n rows),
 //   y = silu(x G^T + bg) * (x U^T + bu).
-// quant_dequant (many rows: prefill, batched decode): rows [r0, r1) of W as fp32 (dv * (q - z) + mv,
+// Many rows with VNNI: quant_gemm.cpp.
+// quant_dequant (the fp32-tile path): rows [r0, r1) of W as fp32 (dv * (q - z) + mv,
 // no fused multiply-add: equal to gguf-py's dequantize), for the Python side to multiply tile by tile
 // (engine/model/native/quant.py), so the whole fp32 matrix never exists.
-#include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/Half.h>
 #include <torch/library.h>
 
-#include <cmath>
-#include <cstring>
-#include <string>
 #include <vector>
 
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
+#include "quant_blocks.h"
 
 namespace {
 
-constexpr int64_t kMaxRows = 8;
-enum Kind : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5 };
+using namespace cq;
 
-inline int zero_point(int64_t kind) {
-  switch (kind) {
-    case Q8_0: return 128;
-    case Q4_0: return 8;
-    case Q6_K: return 32;
-    default: return 0;
-  }
-}
-inline bool super_blocks(int64_t kind) { return kind >= Q4_K; }
-inline float silu(float v) { return v / (1.f + std::exp(-v)); }
-// which block of the pair chunk c (positions 16c..16c+15) belongs to, and which half of that block
-inline int chunk_block(int64_t kind, int c) { return kind == Q8_0 ? c / 2 : c % 2; }
-inline int chunk_half(int64_t kind, int c) { return kind == Q8_0 ? c % 2 : c / 2; }
+constexpr int64_t kMaxRows = 8;
 
 // One row of x quantized per block, in the kernels' order of a pair (zero-padded to whole pairs);
 // per int32 lane (16 a pair): c1 = da, c2 = da * s16 / 4, c0 = -z * c2 (the lane's block and chunk).
@@ -90,8 +56,7 @@ Activation quantize_row(const float* x, int64_t k, int64_t kind) {
     int8_t* dst = a.q.data() + pair * 64;
     for (int i = 0; i < 32; ++i) {
       const int8_t v = static_cast<int8_t>(std::round(xb[i] * inv));
-      const int pos = kind == Q8_0 ? blk * 32 + i : (i / 16) * 32 + blk * 16 + i % 16;
-      dst[pos] = v;
+      dst[pair_pos(kind, static_cast<int>(blk), i)] = v;
     }
   }
   for (int64_t pair = 0; pair < pairs; ++pair) {
@@ -110,104 +75,8 @@ Activation quantize_row(const float* x, int64_t k, int64_t kind) {
   return a;
 }
 
-struct Weight {
-  const uint8_t* qs;
-  const c10::Half* d;
-  const c10::Half* m;
-  const uint8_t* sc;
-  const uint8_t* mn;
-  const uint8_t* qh;
-  int64_t kind, n, k;
-  int64_t qs_row, d_row, sc_row, qh_row;  // elements a row, per array
-};
-
-struct Row {  // one output row's arrays
-  const uint8_t* qs;
-  const c10::Half* d;
-  const c10::Half* m;
-  const uint8_t* sc;
-  const uint8_t* mn;
-  const uint8_t* qh;
-};
-
-inline Row row_of(const Weight& w, int64_t n) {
-  return {w.qs + n * w.qs_row, w.d + n * w.d_row, w.m ? w.m + n * w.d_row : nullptr,
-          w.sc ? w.sc + n * w.sc_row : nullptr, w.mn ? w.mn + n * w.sc_row : nullptr,
-          w.qh ? w.qh + n * w.qh_row : nullptr};
-}
-
-// Pair p of a row in plain C: its 64 unsigned values in the kernels' order and per lane dv, mv.
-void unpack_pair(int64_t kind, const Row& r, int64_t p, int64_t nb, uint8_t* q, float* dv, float* mv) {
-  const bool half = 2 * p + 1 == nb;
-  std::memset(q, 0, 64);
-  if (kind == Q8_0) {
-    std::memcpy(q, r.qs + p * 64, half ? 32 : 64);
-  } else {
-    for (int blk = 0; blk < (half ? 1 : 2); ++blk) {
-      for (int j = 0; j < 16; ++j) {
-        const uint8_t byte = r.qs[(2 * p + blk) * 16 + j];
-        q[blk * 16 + j] = byte & 0x0F;
-        q[32 + blk * 16 + j] = byte >> 4;
-      }
-    }
-  }
-  if (kind == Q5_K || kind == Q6_K) {
-    const int planes = kind == Q5_K ? 1 : 2;
-    for (int pl = 0; pl < planes; ++pl) {
-      uint64_t bits;
-      std::memcpy(&bits, r.qh + p * 8 * planes + 8 * pl, 8);
-      for (int i = 0; i < 64; ++i) q[i] |= static_cast<uint8_t>(((bits >> i) & 1) << (4 + pl));
-    }
-  }
-  for (int lane = 0; lane < 16; ++lane) {
-    const int c = lane / 4, blk = chunk_block(kind, c);
-    const int64_t b = 2 * p + blk;
-    dv[lane] = 0.f;
-    mv[lane] = 0.f;
-    if (b >= nb) continue;
-    if (!super_blocks(kind)) {
-      dv[lane] = static_cast<float>(r.d[b]);
-      if (r.m) mv[lane] = static_cast<float>(r.m[b]);
-    } else if (kind == Q6_K) {
-      const int64_t g = 2 * b + chunk_half(kind, c);
-      dv[lane] = static_cast<float>(r.d[b / 8]) * static_cast<float>(static_cast<int8_t>(r.sc[g]));
-    } else {
-      dv[lane] = static_cast<float>(r.d[b / 8]) * static_cast<float>(r.sc[b]);
-      mv[lane] = -(static_cast<float>(r.m[b / 8]) * static_cast<float>(r.mn[b]));
-    }
-  }
-}
-
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#ifdef CELLSERVE_QUANT_VNNI
 constexpr bool kVnni = true;
-
-inline float half_to_float(const c10::Half& h) { return _cvtsh_ss(h.x); }
-
-// The 64 unsigned weight values of pair p (the second block zero when `half`), in the kernels' order.
-template <int KIND>
-inline __m512i load_pair(const Row& r, int64_t p, bool half) {
-  if (KIND == Q8_0) {
-    const uint8_t* src = r.qs + p * 64;
-    return half ? _mm512_maskz_loadu_epi8(0xFFFFFFFFull, src) : _mm512_loadu_si512(src);
-  }
-  const uint8_t* src = r.qs + p * 32;
-  const __m256i v = half ? _mm256_maskz_loadu_epi8(0xFFFFu, src) : _mm256_loadu_si256((const __m256i*)src);
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-  __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
-  if (KIND == Q5_K || KIND == Q6_K) {
-    constexpr int planes = KIND == Q5_K ? 1 : 2;
-    uint64_t b4;
-    std::memcpy(&b4, r.qh + p * 8 * planes, 8);
-    w = _mm512_or_si512(w, _mm512_maskz_mov_epi8(_cvtu64_mask64(b4), _mm512_set1_epi8(16)));
-    if (KIND == Q6_K) {
-      uint64_t b5;
-      std::memcpy(&b5, r.qh + p * 16 + 8, 8);
-      w = _mm512_or_si512(w, _mm512_maskz_mov_epi8(_cvtu64_mask64(b5), _mm512_set1_epi8(32)));
-    }
-  }
-  return w;
-}
 
 // Two fp16 block values (d or m of a pair) spread over the 16 lanes by block.
 inline __m512 load_scales(const c10::Half* s, int64_t p, bool half, const __m512i& idx) {
@@ -286,45 +155,6 @@ void dot_rows(const Row& r, int64_t nb, const Activation* act, float* out) {
 }
 #endif
 
-const uint8_t* bytes_of(const at::Tensor& t, at::ScalarType type, int64_t n, int64_t row, const char* what) {
-  if (t.numel() == 0) return nullptr;
-  TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.scalar_type() == type && t.size(0) == n && t.size(1) == row,
-              "quant: ", what, " has the wrong dtype or shape for its kind");
-  return static_cast<const uint8_t*>(t.data_ptr());
-}
-
-// w = [qs, d, m, sc, mn, qh] (engine/loader/gguf_tensors.py's FIELDS; empty tensors where absent).
-Weight weight_of(at::TensorList w, int64_t kind) {
-  TORCH_CHECK(kind >= Q8_0 && kind <= Q6_K, "quant: kind must be 0..5 (q8_0, q4_0, q4_1, q4_k, q5_k, q6_k)");
-  TORCH_CHECK(w.size() == 6, "quant: the weight is [qs, d, m, sc, mn, qh]");
-  const at::Tensor& qs = w[0];
-  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.scalar_type() == at::kByte, "quant: qs must be contiguous uint8 [N, bytes]");
-  const int64_t n = qs.size(0), k = kind == Q8_0 ? qs.size(1) : 2 * qs.size(1);
-  TORCH_CHECK(k % (super_blocks(kind) ? 256 : 32) == 0, "quant: K must be whole blocks");
-  const bool sup = super_blocks(kind);
-  Weight out{};
-  out.kind = kind;
-  out.n = n;
-  out.k = k;
-  out.qs_row = qs.size(1);
-  out.d_row = sup ? k / 256 : k / 32;
-  out.sc_row = kind == Q6_K ? k / 16 : k / 32;
-  out.qh_row = kind == Q5_K ? k / 8 : k / 4;
-  out.qs = qs.data_ptr<uint8_t>();
-  out.d = reinterpret_cast<const c10::Half*>(bytes_of(w[1], at::kHalf, n, out.d_row, "d"));
-  out.m = reinterpret_cast<const c10::Half*>(bytes_of(w[2], at::kHalf, n, out.d_row, "m"));
-  out.sc = bytes_of(w[3], kind == Q6_K ? at::kChar : at::kByte, n, out.sc_row, "sc");
-  out.mn = bytes_of(w[4], at::kByte, n, out.sc_row, "mn");
-  out.qh = bytes_of(w[5], at::kByte, n, out.qh_row, "qh");
-  const bool need_m = kind == Q4_1 || kind == Q4_K || kind == Q5_K;
-  TORCH_CHECK(out.d != nullptr, "quant: d is required");
-  TORCH_CHECK((out.m != nullptr) == need_m, "quant: m is given exactly for q4_1, q4_k and q5_k");
-  TORCH_CHECK((out.sc != nullptr) == sup, "quant: sc is given exactly for the K-quants");
-  TORCH_CHECK((out.mn != nullptr) == (kind == Q4_K || kind == Q5_K), "quant: mn is given exactly for q4_k and q5_k");
-  TORCH_CHECK((out.qh != nullptr) == (kind == Q5_K || kind == Q6_K), "quant: qh is given exactly for q5_k and q6_k");
-  return out;
-}
-
 template <int KIND, int M>
 void run_rows(const Weight& w, const std::vector<Activation>& act, const float* bias, const float* other, float* y,
               int64_t n_out, bool swiglu) {
@@ -361,43 +191,27 @@ void run_kind(const Weight& w, const std::vector<Activation>& act, const float* 
   }
 }
 
-at::Tensor quant_linear(const at::Tensor& x, at::TensorList wl, int64_t kind, const std::optional<at::Tensor>& bias,
-                        const std::optional<at::Tensor>& other, c10::string_view op_view) {
-  const std::string op(op_view);
-  TORCH_CHECK(op == "none" || op == "add" || op == "swiglu", "quant_linear: op must be none, add or swiglu");
-  const Weight w = weight_of(wl, kind);
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(0) >= 1 &&
-                  x.size(0) <= kMaxRows && x.size(1) == w.k,
-              "quant_linear: x must be contiguous float32 [rows <= 8, K]");
-  const bool swiglu = op == "swiglu";
-  TORCH_CHECK(!swiglu || w.n % 2 == 0, "quant_linear: swiglu needs [gate; up] rows");
-  const int64_t n_out = swiglu ? w.n / 2 : w.n;
-  at::Tensor b, o;
-  if (bias.has_value() && bias->defined()) {
-    b = bias->to(at::kFloat).contiguous();
-    TORCH_CHECK(b.numel() == w.n, "quant_linear: bias must have one value per weight row");
-  }
-  if (op == "add") {
-    TORCH_CHECK(other.has_value(), "quant_linear: op add needs `other`");
-    o = other->to(at::kFloat).contiguous();
-    TORCH_CHECK(o.dim() == 2 && o.size(0) == x.size(0) && o.size(1) == n_out, "quant_linear: `other` must be [rows, N]");
-  }
-  const int64_t rows = x.size(0);
+// rows [r0, r0 + count) of the call (count <= 8) into y
+void run_eight(const Call& c, int64_t r0, int64_t count, float* y) {
+  const Weight& w = c.w;
   std::vector<Activation> act;
-  for (int64_t r = 0; r < rows; ++r) act.push_back(quantize_row(x.data_ptr<float>() + r * w.k, w.k, kind));
-  auto y = at::empty({rows, n_out}, x.options());
-  const float* bp = b.defined() ? b.data_ptr<float>() : nullptr;
-  const float* op_ = o.defined() ? o.data_ptr<float>() : nullptr;
-  float* yp = y.data_ptr<float>();
-  switch (kind) {
-    case Q8_0: run_kind<Q8_0>(w, act, bp, op_, yp, n_out, swiglu); break;
-    case Q4_0: run_kind<Q4_0>(w, act, bp, op_, yp, n_out, swiglu); break;
-    case Q4_1: run_kind<Q4_1>(w, act, bp, op_, yp, n_out, swiglu); break;
-    case Q4_K: run_kind<Q4_K>(w, act, bp, op_, yp, n_out, swiglu); break;
-    case Q5_K: run_kind<Q5_K>(w, act, bp, op_, yp, n_out, swiglu); break;
-    default: run_kind<Q6_K>(w, act, bp, op_, yp, n_out, swiglu); break;
+  for (int64_t r = r0; r < r0 + count; ++r) act.push_back(quantize_row(c.x.data_ptr<float>() + r * w.k, w.k, w.kind));
+  const float* bp = ptr_or_null(c.bias);
+  const float* op = c.other.defined() ? c.other.data_ptr<float>() + r0 * c.n_out : nullptr;
+  float* yp = y + r0 * c.n_out;
+  switch (w.kind) {
+    case Q8_0: run_kind<Q8_0>(w, act, bp, op, yp, c.n_out, c.swiglu); break;
+    case Q4_0: run_kind<Q4_0>(w, act, bp, op, yp, c.n_out, c.swiglu); break;
+    case Q4_1: run_kind<Q4_1>(w, act, bp, op, yp, c.n_out, c.swiglu); break;
+    case Q4_K: run_kind<Q4_K>(w, act, bp, op, yp, c.n_out, c.swiglu); break;
+    case Q5_K: run_kind<Q5_K>(w, act, bp, op, yp, c.n_out, c.swiglu); break;
+    default: run_kind<Q6_K>(w, act, bp, op, yp, c.n_out, c.swiglu); break;
   }
-  return y;
+}
+
+at::Tensor quant_linear(const at::Tensor& x, at::TensorList wl, int64_t kind, const std::optional<at::Tensor>& bias,
+                        const std::optional<at::Tensor>& other, c10::string_view op) {
+  return cq::linear_by_eights(call_of(x, wl, kind, bias, other, op, "quant_linear"));
 }
 
 // fp32 rows; no contraction into a fused multiply-add, so each value rounds as gguf-py's does
@@ -435,6 +249,12 @@ at::Tensor quant_dequant(at::TensorList wl, int64_t kind, int64_t r0, int64_t r1
 bool quant_linear_fast() { return kVnni; }
 
 }  // namespace
+
+at::Tensor cq::linear_by_eights(const Call& c) {
+  auto y = at::empty({c.rows, c.n_out}, c.x.options());
+  for (int64_t r0 = 0; r0 < c.rows; r0 += kMaxRows) run_eight(c, r0, std::min(kMaxRows, c.rows - r0), y.data_ptr<float>());
+  return y;
+}
 
 TORCH_LIBRARY_FRAGMENT(cellserve, m) {
   m.def("quant_linear(Tensor x, Tensor[] w, int kind, Tensor? bias, Tensor? other, str op) -> Tensor");

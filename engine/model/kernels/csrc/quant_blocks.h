@@ -1,0 +1,240 @@
+// quant_blocks.h: the repacked block quantizations as the kernels read them (quant_linear.cpp: 1 to 8
+// rows and dequantization; quant_gemm.cpp: many rows).
+//
+// A weight [N, K] of kind q8_0, q4_0, q4_1 (32-weight blocks), q4_k, q5_k or q6_k (256-weight
+// super-blocks of 32- or 16-weight groups) is up to six arrays, one row of blocks per output row
+// (engine/loader/gguf_tensors.py repacks the file's blocks into them once at load and documents them):
+//   qs  uint8 [N, K] (q8_0: the int8 value + 128) or [N, K/2] (every other kind: per 32 weights,
+//       byte j = element j (low nibble) | element j + 16 (high nibble), Q4_0's own layout)
+//   d   fp16  [N, K/32] the block's scale, or [N, K/256] the super-block's d (K-quants)
+//   m   fp16  q4_1: [N, K/32] the block minimum; q4_k/q5_k: [N, K/256] dmin
+//   sc  q4_k/q5_k uint8 [N, K/32] 6-bit scales; q6_k int8 [N, K/16]
+//   mn  q4_k/q5_k uint8 [N, K/32] 6-bit mins
+//   qh  high bits per 64 weights in the order below: q5_k 8 bytes (bit 4), q6_k 16 (bit 4, bit 5 planes)
+// The kernels read the weights two 32-blocks ("a pair", 64 weights) at a time, in this order:
+// q8_0 the natural one; the others [b0 0..15, b1 0..15, b0 16..31, b1 16..31] (low nibbles of both
+// blocks, then high nibbles). Each 16 consecutive positions ("a chunk") are 16 weights of one block
+// (a q6_k scale group), and each int32 lane (4 positions) lies in one chunk. Per lane the weight is
+//   w = dv * (q - z) + mv
+// with z = 128 (q8_0), 8 (q4_0), 32 (q6_k), else 0; dv = d (32-weight kinds), d * sc_j (q4_k, q5_k),
+// d * sc_g (q6_k); mv = m (q4_1), -dmin * mn_j (q4_k, q5_k), else 0.
+// Activations are rounded per 32-block to int8 (scale da = amax / 127, round half away from zero, as
+// llama.cpp's q8_0/q8_K activations) and laid out in the same pair order, so a weight pair and an
+// activation pair dot lane by lane.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <c10/util/Half.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <optional>
+#include <string>
+
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define CELLSERVE_QUANT_VNNI 1
+#endif
+
+namespace cq {
+
+enum Kind : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5 };
+
+inline int zero_point(int64_t kind) {
+  switch (kind) {
+    case Q8_0: return 128;
+    case Q4_0: return 8;
+    case Q6_K: return 32;
+    default: return 0;
+  }
+}
+inline bool super_blocks(int64_t kind) { return kind >= Q4_K; }
+inline bool has_mins(int64_t kind) { return kind == Q4_1 || kind == Q4_K || kind == Q5_K; }
+inline float silu(float v) { return v / (1.f + std::exp(-v)); }
+// which block of the pair chunk c (positions 16c..16c+15) belongs to, and which half of that block
+inline int chunk_block(int64_t kind, int c) { return kind == Q8_0 ? c / 2 : c % 2; }
+inline int chunk_half(int64_t kind, int c) { return kind == Q8_0 ? c % 2 : c / 2; }
+// position in the pair of element i of the pair's block blk
+inline int pair_pos(int64_t kind, int blk, int i) { return kind == Q8_0 ? blk * 32 + i : (i / 16) * 32 + blk * 16 + i % 16; }
+
+struct Weight {
+  const uint8_t* qs;
+  const c10::Half* d;
+  const c10::Half* m;
+  const uint8_t* sc;
+  const uint8_t* mn;
+  const uint8_t* qh;
+  int64_t kind, n, k;
+  int64_t qs_row, d_row, sc_row, qh_row;  // elements a row, per array
+};
+
+struct Row {  // one output row's arrays
+  const uint8_t* qs;
+  const c10::Half* d;
+  const c10::Half* m;
+  const uint8_t* sc;
+  const uint8_t* mn;
+  const uint8_t* qh;
+};
+
+inline Row row_of(const Weight& w, int64_t n) {
+  return {w.qs + n * w.qs_row, w.d + n * w.d_row, w.m ? w.m + n * w.d_row : nullptr,
+          w.sc ? w.sc + n * w.sc_row : nullptr, w.mn ? w.mn + n * w.sc_row : nullptr,
+          w.qh ? w.qh + n * w.qh_row : nullptr};
+}
+
+// dv and mv of block b of a row (q6_k: dv of 16-weight group `half` of the block)
+inline float block_dv(int64_t kind, const Row& r, int64_t b, int half) {
+  if (!super_blocks(kind)) return static_cast<float>(r.d[b]);
+  if (kind == Q6_K) return static_cast<float>(r.d[b / 8]) * static_cast<float>(static_cast<int8_t>(r.sc[2 * b + half]));
+  return static_cast<float>(r.d[b / 8]) * static_cast<float>(r.sc[b]);
+}
+inline float block_mv(int64_t kind, const Row& r, int64_t b) {
+  if (kind == Q4_1) return static_cast<float>(r.m[b]);
+  if (kind == Q4_K || kind == Q5_K) return -(static_cast<float>(r.m[b / 8]) * static_cast<float>(r.mn[b]));
+  return 0.f;
+}
+
+// Pair p of a row in plain C: its 64 unsigned values in the kernels' order and per lane dv, mv.
+inline void unpack_pair(int64_t kind, const Row& r, int64_t p, int64_t nb, uint8_t* q, float* dv, float* mv) {
+  const bool half = 2 * p + 1 == nb;
+  std::memset(q, 0, 64);
+  if (kind == Q8_0) {
+    std::memcpy(q, r.qs + p * 64, half ? 32 : 64);
+  } else {
+    for (int blk = 0; blk < (half ? 1 : 2); ++blk) {
+      for (int j = 0; j < 16; ++j) {
+        const uint8_t byte = r.qs[(2 * p + blk) * 16 + j];
+        q[blk * 16 + j] = byte & 0x0F;
+        q[32 + blk * 16 + j] = byte >> 4;
+      }
+    }
+  }
+  if (kind == Q5_K || kind == Q6_K) {
+    const int planes = kind == Q5_K ? 1 : 2;
+    for (int pl = 0; pl < planes; ++pl) {
+      uint64_t bits;
+      std::memcpy(&bits, r.qh + p * 8 * planes + 8 * pl, 8);
+      for (int i = 0; i < 64; ++i) q[i] |= static_cast<uint8_t>(((bits >> i) & 1) << (4 + pl));
+    }
+  }
+  for (int lane = 0; lane < 16; ++lane) {
+    const int c = lane / 4;
+    const int64_t b = 2 * p + chunk_block(kind, c);
+    dv[lane] = b < nb ? block_dv(kind, r, b, chunk_half(kind, c)) : 0.f;
+    mv[lane] = b < nb ? block_mv(kind, r, b) : 0.f;
+  }
+}
+
+#ifdef CELLSERVE_QUANT_VNNI
+inline float half_to_float(const c10::Half& h) { return _cvtsh_ss(h.x); }
+
+// The 64 unsigned weight values of pair p (the second block zero when `half`), in the kernels' order.
+template <int KIND>
+inline __m512i load_pair(const Row& r, int64_t p, bool half) {
+  if (KIND == Q8_0) {
+    const uint8_t* src = r.qs + p * 64;
+    return half ? _mm512_maskz_loadu_epi8(0xFFFFFFFFull, src) : _mm512_loadu_si512(src);
+  }
+  const uint8_t* src = r.qs + p * 32;
+  const __m256i v = half ? _mm256_maskz_loadu_epi8(0xFFFFu, src) : _mm256_loadu_si256((const __m256i*)src);
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+  __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  if (KIND == Q5_K || KIND == Q6_K) {
+    constexpr int planes = KIND == Q5_K ? 1 : 2;
+    uint64_t b4;
+    std::memcpy(&b4, r.qh + p * 8 * planes, 8);
+    w = _mm512_or_si512(w, _mm512_maskz_mov_epi8(_cvtu64_mask64(b4), _mm512_set1_epi8(16)));
+    if (KIND == Q6_K) {
+      uint64_t b5;
+      std::memcpy(&b5, r.qh + p * 16 + 8, 8);
+      w = _mm512_or_si512(w, _mm512_maskz_mov_epi8(_cvtu64_mask64(b5), _mm512_set1_epi8(32)));
+    }
+  }
+  return w;
+}
+#endif
+
+inline const uint8_t* bytes_of(const at::Tensor& t, at::ScalarType type, int64_t n, int64_t row, const char* what) {
+  if (t.numel() == 0) return nullptr;
+  TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.scalar_type() == type && t.size(0) == n && t.size(1) == row,
+              "quant: ", what, " has the wrong dtype or shape for its kind");
+  return static_cast<const uint8_t*>(t.data_ptr());
+}
+
+// w = [qs, d, m, sc, mn, qh] (engine/loader/gguf_tensors.py's FIELDS; empty tensors where absent).
+inline Weight weight_of(at::TensorList w, int64_t kind) {
+  TORCH_CHECK(kind >= Q8_0 && kind <= Q6_K, "quant: kind must be 0..5 (q8_0, q4_0, q4_1, q4_k, q5_k, q6_k)");
+  TORCH_CHECK(w.size() == 6, "quant: the weight is [qs, d, m, sc, mn, qh]");
+  const at::Tensor& qs = w[0];
+  TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.scalar_type() == at::kByte, "quant: qs must be contiguous uint8 [N, bytes]");
+  const int64_t n = qs.size(0), k = kind == Q8_0 ? qs.size(1) : 2 * qs.size(1);
+  TORCH_CHECK(k % (super_blocks(kind) ? 256 : 32) == 0, "quant: K must be whole blocks");
+  const bool sup = super_blocks(kind);
+  Weight out{};
+  out.kind = kind;
+  out.n = n;
+  out.k = k;
+  out.qs_row = qs.size(1);
+  out.d_row = sup ? k / 256 : k / 32;
+  out.sc_row = kind == Q6_K ? k / 16 : k / 32;
+  out.qh_row = kind == Q5_K ? k / 8 : k / 4;
+  out.qs = qs.data_ptr<uint8_t>();
+  out.d = reinterpret_cast<const c10::Half*>(bytes_of(w[1], at::kHalf, n, out.d_row, "d"));
+  out.m = reinterpret_cast<const c10::Half*>(bytes_of(w[2], at::kHalf, n, out.d_row, "m"));
+  out.sc = bytes_of(w[3], kind == Q6_K ? at::kChar : at::kByte, n, out.sc_row, "sc");
+  out.mn = bytes_of(w[4], at::kByte, n, out.sc_row, "mn");
+  out.qh = bytes_of(w[5], at::kByte, n, out.qh_row, "qh");
+  TORCH_CHECK(out.d != nullptr, "quant: d is required");
+  TORCH_CHECK((out.m != nullptr) == has_mins(kind), "quant: m is given exactly for q4_1, q4_k and q5_k");
+  TORCH_CHECK((out.sc != nullptr) == sup, "quant: sc is given exactly for the K-quants");
+  TORCH_CHECK((out.mn != nullptr) == (kind == Q4_K || kind == Q5_K), "quant: mn is given exactly for q4_k and q5_k");
+  TORCH_CHECK((out.qh != nullptr) == (kind == Q5_K || kind == Q6_K), "quant: qh is given exactly for q5_k and q6_k");
+  return out;
+}
+
+// The checked arguments of a linear call: x [rows, K] float32, bias/other as float32, the op.
+struct Call {
+  Weight w;
+  at::Tensor x, bias, other;
+  int64_t rows, n_out;
+  bool swiglu;
+};
+
+inline Call call_of(const at::Tensor& x, at::TensorList wl, int64_t kind, const std::optional<at::Tensor>& bias,
+                    const std::optional<at::Tensor>& other, c10::string_view op_view, const char* name) {
+  const std::string op(op_view);
+  TORCH_CHECK(op == "none" || op == "add" || op == "swiglu", name, ": op must be none, add or swiglu");
+  Call c;
+  c.w = weight_of(wl, kind);
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(0) >= 1 && x.size(1) == c.w.k,
+              name, ": x must be contiguous float32 [rows >= 1, K]");
+  c.x = x;
+  c.rows = x.size(0);
+  c.swiglu = op == "swiglu";
+  TORCH_CHECK(!c.swiglu || c.w.n % 2 == 0, name, ": swiglu needs [gate; up] rows");
+  c.n_out = c.swiglu ? c.w.n / 2 : c.w.n;
+  if (bias.has_value() && bias->defined()) {
+    c.bias = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(c.bias.numel() == c.w.n, name, ": bias must have one value per weight row");
+  }
+  if (op == "add") {
+    TORCH_CHECK(other.has_value(), name, ": op add needs `other`");
+    c.other = other->to(at::kFloat).contiguous();
+    TORCH_CHECK(c.other.dim() == 2 && c.other.size(0) == c.rows && c.other.size(1) == c.n_out,
+                name, ": `other` must be [rows, N]");
+  }
+  return c;
+}
+
+inline const float* ptr_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+
+// quant_linear.cpp: any number of rows through the 1-to-8-row kernel, 8 rows at a time
+at::Tensor linear_by_eights(const Call& c);
+
+}  // namespace cq

@@ -97,6 +97,9 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--state-max-bytes", type=parse_size, default=None,
                    help="cap on the state dir's cell files, e.g. 20GiB: least recently used fork families drop "
                         "their cells (tokens kept, recomputed when used)")
+    p.add_argument("--state-eager", action="store_true",
+                   help="load restored sequences' cells at start (as far as the pool has room) rather than when "
+                        "each is next used")
     p.add_argument("--max-body-bytes", type=parse_size, default=DEFAULT_MAX_BODY_BYTES,
                    help="largest request body accepted (413 beyond, unread), e.g. 8MiB")
     p.add_argument("--max-header-bytes", type=parse_size, default=DEFAULT_MAX_HEADER_BYTES,

@@ -33,7 +33,7 @@ def engine_args_of(args: argparse.Namespace) -> EngineArgs:
                       max_queue=args.max_queue, seq_ttl_s=args.seq_ttl, threads=args.threads,
                       attention=args.attention, prefix_caching=not args.no_prefix_cache,
                       speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
-                      state_dir=args.state_dir, state_max_bytes=args.state_max_bytes)
+                      state_dir=args.state_dir, state_max_bytes=args.state_max_bytes, state_eager=args.state_eager)
 
 
 def engine_factory(args: argparse.Namespace) -> Callable[[], object]:

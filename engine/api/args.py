@@ -44,6 +44,9 @@ class EngineArgs:
     # every change and its KV cells when it goes idle; a new engine on the same folder restores them. None: RAM only.
     state_dir: str | Path | None = None
     state_max_bytes: int | None = None  # cell files beyond this: least recently used families drop theirs
+    # False: a restored sequence's cells load from the state dir when it is next scheduled (a restart is quick
+    # whatever the folder holds); True: at start, as far as the pool has room (the first request is quicker)
+    state_eager: bool = False
 
     def __post_init__(self):
         if self.speculative not in SPECULATIVE_METHODS:

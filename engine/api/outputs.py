@@ -78,6 +78,7 @@ class SequenceInfo:
     cells_shared: int  # of those, cells also owned by another sequence
     created: float  # wall clock (time.time()), for display
     last_used: float  # time.monotonic(), for idle TTLs; convert before showing it
+    n_saved: int = 0  # tokens whose cells are saved in the state dir (loaded when it runs, not recomputed)
 
 
 @dataclass

@@ -262,12 +262,14 @@ class CellCache(Cache):
         if free.numel() < n:
             raise CacheFull(n, int(free.numel()))
         cells = free[:n]
-        for i, layer in enumerate(self.layers):
-            if not layer.is_initialized:
-                layer.lazy_initialization(keys[i : i + 1, :, :1].to(self.device), values[i : i + 1, :, :1].to(self.device))
-            dev_cells = cells.to(self.device)
-            layer.keys.index_copy_(2, dev_cells, keys[i : i + 1].to(self.device, layer.dtype))
-            layer.values.index_copy_(2, dev_cells, values[i : i + 1].to(self.device, layer.dtype))
+        with torch.inference_mode():  # pools a forward allocated are inference tensors: written in that mode only
+            for i, layer in enumerate(self.layers):
+                if not layer.is_initialized:
+                    layer.lazy_initialization(keys[i : i + 1, :, :1].to(self.device),
+                                              values[i : i + 1, :, :1].to(self.device))
+                dev_cells = cells.to(self.device)
+                layer.keys.index_copy_(2, dev_cells, keys[i : i + 1].to(self.device, layer.dtype))
+                layer.values.index_copy_(2, dev_cells, values[i : i + 1].to(self.device, layer.dtype))
         self.owner[seq_id, cells] = True
         self.n_owners[cells] = 1
         self.pos[cells] = torch.arange(p0, p0 + n)

@@ -355,9 +355,10 @@ def _sequence_table(scheduler: Scheduler, runner: ModelRunner, cfg: EngineArgs, 
         return SequenceTable(scheduler, identity=identity)
     started = time.perf_counter()
     table = SequenceTable(scheduler, DurableStore(cfg.state_dir, identity(), cfg.state_max_bytes), identity)
-    n_seqs, n_cells = table.restore(vocab_size)
-    log.info("state dir %s: restored %d sequences (%d tokens with their saved cells) in %.2f s",
-             cfg.state_dir, n_seqs, n_cells, time.perf_counter() - started)
+    scheduler.pager = table.page_in  # saved cells come back from disk when a sequence is scheduled
+    n_seqs, n_cells = table.restore(vocab_size, eager=cfg.state_eager)
+    log.info("state dir %s: restored %d sequences in %.2f s (%s)", cfg.state_dir, n_seqs, time.perf_counter() - started,
+             f"{n_cells} tokens with their saved cells loaded" if cfg.state_eager else "cells load when each is used")
     return table
 
 

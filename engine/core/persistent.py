@@ -7,8 +7,11 @@ verb, because it must first cancel the request running on it.
 
 With a `DurableStore` (`--state-dir`, engine/core/state/) every change is written before the verb returns
 (fork, truncate, delete; a generation or a create when its request ends: `settled`), idle sequences'
-cells with it, and `restore` brings them all back under the same ids in a new engine. A write the disk
-refuses is logged and leaves the sequence in memory (`save` reports it: StorageFull).
+cells with it, and `restore` brings them all back under the same ids in a new engine: their tokens at
+once, their cells when each is next scheduled (`page_in`, the scheduler's admission), or at once with
+`eager`. `page_in` also brings back, from disk rather than by a recompute, the cells a sequence lost in
+RAM (evicted while idle, preempted). A write the disk refuses is logged and leaves the sequence in memory
+(`save` reports it: StorageFull).
 """
 
 import logging
@@ -21,7 +24,7 @@ from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence
 from engine.core.state.archive import export_archive, read_archive
 from engine.core.state.records import SequenceRecord
-from engine.core.state.store import DurableStore, restore_cells
+from engine.core.state.store import DurableStore, load_chunks, restore_cells
 
 log = logging.getLogger("cellserve.state")
 
@@ -86,8 +89,9 @@ class SequenceTable:
     def info(self, seq_id: str) -> SequenceInfo:
         seq = self.get(seq_id)
         owned, shared = self.scheduler.cells_of(seq)
+        saved = self.store.saved_tokens(seq) if self.store is not None else 0
         return SequenceInfo(seq.seq_id, len(seq.token_ids), list(seq.token_ids), seq.status.value, seq.parent,
-                            seq.n_cached, owned, shared, seq.created, seq.last_used)
+                            seq.n_cached, owned, shared, seq.created, seq.last_used, saved)
 
     def idle_longer_than(self, ttl_s: float, now: float) -> list[str]:
         return [s.seq_id for s in self.by_id.values() if s.request is None and now - s.last_used > ttl_s]
@@ -103,9 +107,10 @@ class SequenceTable:
         self.store.enforce_budget(keep=seq_id)
         return self.info(seq_id)
 
-    def restore(self, vocab_size: int) -> tuple[int, int]:
-        """Every sequence saved in the store, under its own id, with its saved cells where they load; returns
-        (sequences, tokens that came back with cells)."""
+    def restore(self, vocab_size: int, eager: bool = False) -> tuple[int, int]:
+        """Every sequence saved in the store, under its own id; with `eager` its saved cells are loaded now as
+        far as the pool has room (else when it is next scheduled: `page_in`). Returns (sequences, tokens that
+        came back with cells now)."""
         n_seqs = n_cells = 0
         for rec in self.store.load():
             if max(rec.token_ids) >= vocab_size:
@@ -113,9 +118,16 @@ class SequenceTable:
                           rec.seq_id, max(rec.token_ids), vocab_size)
                 continue
             seq = self._adopt(rec, rec.seq_id, rec.parent)
-            n_cells += restore_cells(seq, rec, self.scheduler, self.store.cells.read)
+            n_cells += restore_cells(seq, rec, self.scheduler, self.store.cells.read) if eager else 0
             n_seqs += 1
         return n_seqs, n_cells
+
+    def page_in(self, seq: Sequence, limit: int, reserve: int) -> None:
+        """`Scheduler.pager`: `seq`'s first `limit` tokens get cells shared from the pool or loaded from the
+        saved chunks its tokens begin with (its own, its family's, any sequence's with the same prefix)."""
+        if limit > seq.n_cached:
+            spans = self.store.saved_prefix(seq.token_ids, limit)
+            load_chunks(seq, spans, limit, self.scheduler, self.store.cells.read, reserve)
 
     def family(self, seq_id: str) -> list[Sequence]:
         """`seq_id`'s fork family: its oldest live ancestor and every live sequence forked from it, oldest first."""

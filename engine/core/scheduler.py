@@ -19,6 +19,7 @@ The scheduler is the one owner of cell claims and `n_cached`: the engine asks it
 prefix caching on, a finished request's sequence is *retired*: it keeps its cells as a cached prefix
 (evicted first, least recently used first, possibly only its tail), and every sequence admitted with
 no cells first shares the longest prefix any holder has cached (`PrefixIndex`, engine/core/prefix_index.py).
+With a state dir it then loads what the disk has past that (`page_in`): saved cells, not a recompute.
 """
 
 import heapq
@@ -105,6 +106,7 @@ class Scheduler:
         self._free_slots = list(range(cache.max_seqs))
         heapq.heapify(self._free_slots)
         self.preemptions = 0
+        self.pager = None  # with a state dir: pager(seq, limit, reserve) loads saved cells (see `page_in`)
 
     # ----- queue -----------------------------------------------------------------------------
     def enqueue(self, seq: Sequence, front: bool = False) -> None:
@@ -201,15 +203,34 @@ class Scheduler:
             self.share(holder, seq, m)
         return seq.n_cached
 
-    def load_cells(self, seq: Sequence, keys, values) -> bool:
-        """`seq` (idle) gains cells for positions [n_cached, n_cached + n) holding saved K/V (`CellCache.seq_load`).
-        False, changing nothing, when the pool has no n free cells or no slot: it then prefills when it runs."""
+    def load_cells(self, seq: Sequence, keys, values, reserve: int | None = None) -> bool:
+        """`seq` (not running) gains cells for positions [n_cached, n_cached + n) holding saved K/V
+        (`CellCache.seq_load`). `reserve` None (a restore): only free cells are used. An int (admission,
+        `page_in`): that many cells must stay free beside them for this tick's plan, and idle sequences and
+        cached prefixes are evicted to make room, as for a prefill (never a running sequence). False, loading
+        nothing, when there is no room or no slot: the tokens are then prefilled when it runs."""
         n = keys.shape[2]
-        if not self.cache.can_extend(n) or not self.acquire_slot(seq):
+        while not self.cache.can_extend((reserve or 0) + n):
+            if reserve is None or not self._evict_one(exclude=(seq,), need=reserve + n - self.cache.free_cells()):
+                return False
+        if not self.acquire_slot(seq):
             return False
         self.cache.seq_load(seq.slot, seq.n_cached, keys, values)
         self.set_cached(seq, seq.n_cached + n)
         return True
+
+    def page_in(self, seq: Sequence, reserve: int = 0) -> int:
+        """Admission, with a state dir (`pager` set): `seq`'s tokens past its cells whose K/V are saved on disk
+        (its own history after a lazy restore or after it lost its cells in RAM, its parent's prefix, any
+        saved prefix of its tokens) are loaded instead of recomputed, as far as the pool has room beside the
+        `reserve` cells this tick's plan needs (see `load_cells`); never its last token, whose logits are
+        needed. A sequence that scores its prompt (`shares_prefix` False) loads nothing, and a plain request
+        only with prefix caching on. Returns `seq.n_cached` if it gained any cells, else 0."""
+        if self.pager is None or not seq.shares_prefix or not (seq.persistent or self.prefix_caching):
+            return 0
+        before = seq.n_cached
+        self.pager(seq, min(len(seq.token_ids) - 1, seq.cache_target()), reserve)
+        return seq.n_cached if seq.n_cached > before else 0
 
     def read_cells(self, seq: Sequence, p0: int, p1: int):
         """(K, V) of `seq`'s cells for positions [p0, p1) (`CellCache.seq_read`), for saving them."""
@@ -315,7 +336,12 @@ class Scheduler:
             seq = self.waiting[0]
             if seq in plan.preempted:
                 break  # it just gave up its cells for this very step
-            self._note_cached(seq, self.share_cached_prefix(seq))
+            fresh = not seq.lookup_done
+            shared = self.share_cached_prefix(seq)
+            if fresh:  # once per admission, as the lookup: the disk past what the pool had
+                seq.lookup_done = True
+                shared = self.page_in(seq, plan.tokens) or shared
+            self._note_cached(seq, shared)
             want = seq.cache_target() - seq.n_cached
             n = min(want, budget, prefill)
             if want > 0 and n == 0:

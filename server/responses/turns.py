@@ -123,11 +123,11 @@ async def plan(request: Request, ctx: ServerContext, store: ResponseStore, *, in
                 raise
             if info.length == prev.length:
                 store.hold(prev.seq_id)
-                turn.cached_before = info.n_cached
+                turn.cached_before = max(info.n_cached, info.n_saved)  # saved cells load when it runs
                 return turn, max_tokens
             turn.mode = "fork"  # the sequence went on past it (a turn a restart cut short): not its tip after all
         info = await _known(store, _engine(request, engine.fork(prev.seq_id, prev.length)), prev)
-        turn.seq_id, turn.cached_before = info.seq_id, info.n_cached
+        turn.seq_id, turn.cached_before = info.seq_id, max(info.n_cached, info.n_saved)
         store.hold(info.seq_id)
         return turn, max_tokens
     earlier = prev.history() if prev is not None else []

@@ -98,7 +98,10 @@ def sequence_view(info: SequenceInfo, text: str | None = None, with_tokens: bool
         "length": info.length,
         "status": info.status,
         "parent": info.parent,
-        "cells": {"owned": info.cells_owned, "shared": info.cells_shared, "cached_tokens": info.n_cached},
+        # cached_tokens: with cells in the pool; saved_tokens: with cells in the state dir (--state-dir), which
+        # load when the sequence next runs instead of being recomputed
+        "cells": {"owned": info.cells_owned, "shared": info.cells_shared, "cached_tokens": info.n_cached,
+                  "saved_tokens": info.n_saved},
         "created": int(info.created),  # already wall-clock (time.time())
         "last_used": _epoch(info.last_used),
     }

@@ -34,10 +34,38 @@ def chunk_spans(identity: ModelIdentity, token_ids: list[int], n: int) -> list[t
     for a in range(0, n, CHUNK):
         b = min(a + CHUNK, n)
         h.update(np.asarray(token_ids[a:b], dtype="<i8").tobytes())
-        end = h.copy()
-        end.update(b"|%d" % b)
-        spans.append((end.hexdigest()[:40], a, b))
+        spans.append((_end_key(h, b), a, b))
     return spans
+
+
+def saved_prefix(identity: ModelIdentity, token_ids: list[int], limit: int, has) -> list[tuple[str, int, int]]:
+    """(key, start, end) of the chunks `has(key)` says are saved that cover the longest prefix of `token_ids`,
+    at most `limit` tokens: whole chunks along the chain, then the longest saved partial one after them (a
+    sequence saved with n cells ends its last chunk at n, wherever that falls). Content addressing makes this
+    a disk-backed prefix cache: any sequence whose tokens begin like a saved one finds its chunks."""
+    h = hashlib.sha256(identity.to_json().encode())
+    spans: list[tuple[str, int, int]] = []
+    for a in range(0, limit, CHUNK):
+        whole = h.copy()
+        whole.update(np.asarray(token_ids[a : a + CHUNK], dtype="<i8").tobytes())
+        if a + CHUNK <= limit and has(key := _end_key(whole, a + CHUNK)):
+            spans.append((key, a, a + CHUNK))
+            h = whole
+            continue
+        for b in range(min(a + CHUNK, limit), a, -1):  # the longest partial chunk saved after the whole ones
+            part = h.copy()
+            part.update(np.asarray(token_ids[a:b], dtype="<i8").tobytes())
+            if has(key := _end_key(part, b)):
+                spans.append((key, a, b))
+                break
+        break
+    return spans
+
+
+def _end_key(h, end: int) -> str:
+    h = h.copy()
+    h.update(b"|%d" % end)
+    return h.hexdigest()[:40]
 
 
 def chunk_bounds(n: int) -> list[tuple[int, int]]:

@@ -11,6 +11,10 @@ What it guarantees (`SequenceTable` calls it; the engine thread is its only call
 - Over `max_bytes` of cell files, the least recently used fork families (a root and every sequence
   forked from it) drop their cells: their tokens stay, and they recompute when next used.
 - A failed write (disk full, read-only folder) raises `StorageFull` and leaves the previous record whole.
+- A sequence written without cells in RAM (a fork of a sequence restored lazily, one whose cells were
+  evicted) names the saved chunks its tokens begin with, so they stay on disk while it may page them in.
+- `saved_prefix(tokens)`: the saved chunks any token list begins with (`page_in`: cells come back from
+  disk, not from a recompute, for any sequence whose tokens a saved one shares).
 """
 
 import logging
@@ -18,7 +22,7 @@ import time
 from pathlib import Path
 
 from engine.api.errors import IncompatibleState, StorageFull
-from engine.core.state.cell_files import CellFiles, chunk_bounds, chunk_spans
+from engine.core.state.cell_files import CellFiles, chunk_bounds, chunk_spans, saved_prefix
 from engine.core.state.identity import ModelIdentity
 from engine.core.state.records import SequenceRecord
 from engine.core.state.sequence_files import SequenceFiles, write_atomic
@@ -50,15 +54,22 @@ class DurableStore:
     # ----- start -------------------------------------------------------------------------------
     def load(self) -> list[SequenceRecord]:
         """Every valid record, oldest first (parents before their forks), and the chunk files no record names
-        removed (a crash between writing a chunk and its record)."""
+        removed (a crash between writing a chunk and its record). A record whose chunks are not this model's
+        (their keys hash the model's identity) keeps its tokens only; its files stay until nothing names them."""
+        foreign: set[str] = set()
         for rec in self.seqs.load_all():
             if len(rec.chunks) != len(chunk_bounds(rec.cells_n)):
                 log.error("sequence %s: its cell list does not cover its %d tokens; restoring it by recompute",
                           rec.seq_id, rec.cells_n)
                 rec.cells_n, rec.chunks = 0, []
+            elif [k for k, _, _ in chunk_spans(self.identity, rec.token_ids, rec.cells_n)] != rec.chunks:
+                log.warning("sequence %s: its saved cells were written by another model (or for other tokens); "
+                            "they are left on disk and recomputed when it runs", rec.seq_id)
+                foreign.update(rec.chunks)
+                rec.cells_n, rec.chunks = 0, []
             self.records[rec.seq_id] = rec
             self._ref(rec)
-        for key in [k for k in self.cells.sizes if k not in self.refs]:
+        for key in [k for k in self.cells.sizes if k not in self.refs and k not in foreign]:
             self.cells.delete(key)
         return sorted(self.records.values(), key=lambda r: (r.created, r.seq_id))
 
@@ -77,6 +88,9 @@ class DurableStore:
                 failure = exc
                 log.error("could not save the cells of sequence %s (%s); its tokens are saved, its cells will be "
                           "recomputed after a restart", seq.seq_id, exc)
+        elif rec.cells_n < len(rec.token_ids) - 1 and (spans := self.saved_prefix(rec.token_ids)) \
+                and spans[-1][2] > rec.cells_n:
+            rec.cells_n, rec.chunks = spans[-1][2], [k for k, _, _ in spans]
         try:
             self.seqs.write(rec)
         except OSError as exc:
@@ -112,6 +126,19 @@ class DurableStore:
             if dropped:
                 log.info("state dir over %d bytes: the family of %s dropped its cells (tokens kept)",
                          self.max_bytes, dropped[0].seq_id)
+
+    def saved_prefix(self, token_ids: list[int], limit: int | None = None) -> list[tuple[str, int, int]]:
+        """(key, start, end) of the saved chunks covering the longest prefix of `token_ids` (at most `limit`
+        tokens; default all but the last, which an idle sequence never has a cell for)."""
+        limit = len(token_ids) - 1 if limit is None else limit
+        return saved_prefix(self.identity, token_ids, limit, self.cells.has) if limit > 0 and self.cells.sizes else []
+
+    def saved_tokens(self, seq) -> int:
+        """Tokens of `seq` whose cells its record names and whose chunks are on disk (cheap: no hashing)."""
+        rec = self.records.get(seq.seq_id)
+        if rec is None or not rec.chunks or seq.token_ids[: rec.cells_n] != rec.token_ids[: rec.cells_n]:
+            return 0
+        return min(rec.cells_n, len(seq.token_ids) - 1) if all(map(self.cells.has, rec.chunks)) else 0
 
     # ----- internals ---------------------------------------------------------------------------
     def _still_valid(self, token_ids: list[int], prev: SequenceRecord | None) -> tuple[int, list[str]]:
@@ -176,14 +203,22 @@ class DurableStore:
 def restore_cells(seq, rec: SequenceRecord, scheduler, read) -> int:
     """`seq` (just made, no cells) gets cells for up to `rec.cells_n` tokens: shared with an already restored
     sequence where their tokens agree (a family's prefix lands in the pool once), the rest loaded from the
-    chunks (`read(key) -> (k, v)`: the cell files, or an archive's tensors). Stops at the first chunk that
-    cannot be used (logged: another model's, gone, torn) or when the pool has no room: the rest is
-    recomputed when the sequence runs. Returns the tokens that have cells."""
-    n = min(rec.cells_n, len(seq.token_ids) - 1)
+    chunks (`read(key) -> (k, v)`: the cell files, or an archive's tensors); see `load_chunks`. Returns the
+    tokens that have cells."""
+    spans = [(key, a, b) for key, (a, b) in zip(rec.chunks, chunk_bounds(rec.cells_n))]
+    return load_chunks(seq, spans, min(rec.cells_n, len(seq.token_ids) - 1), scheduler, read)
+
+
+def load_chunks(seq, spans: list[tuple[str, int, int]], n: int, scheduler, read, reserve: int | None = None) -> int:
+    """`seq` gets cells for its first `n` tokens where it has none: shared with any holder whose tokens agree
+    (`Scheduler.share_longest`, no copy), the rest loaded from the chunks `spans` (key, start, end), in
+    position order from 0. Stops at the first chunk that cannot be used (logged: another model's, gone, torn)
+    or when the pool has no room (`reserve`: see `Scheduler.load_cells`): the rest is recomputed when the
+    sequence runs. Returns `seq.n_cached`."""
     if n <= 0:
-        return 0
+        return seq.n_cached
     have = scheduler.share_longest(seq, n)
-    for key, (a, b) in zip(rec.chunks, chunk_bounds(rec.cells_n)):
+    for key, a, b in spans:
         if have >= n:
             break
         if b <= have:
@@ -191,10 +226,10 @@ def restore_cells(seq, rec: SequenceRecord, scheduler, read) -> int:
         try:
             k, v = read(key)
         except (IncompatibleState, OSError, KeyError) as exc:
-            log.warning("sequence %s: restored by recompute from token %d (%s)", seq.seq_id, have, exc)
+            log.warning("sequence %s: recomputed from token %d (%s)", seq.seq_id, have, exc)
             break
         lo, hi = have - a, min(b, n) - a
-        if k.shape[2] != b - a or not scheduler.load_cells(seq, k[:, :, lo:hi], v[:, :, lo:hi]):
+        if k.shape[2] != b - a or not scheduler.load_cells(seq, k[:, :, lo:hi], v[:, :, lo:hi], reserve):
             break
         have = a + hi
     return have

@@ -29,6 +29,8 @@ def test_read_then_load_reproduces_the_next_token_logits():
     assert torch.equal(dst.cache.seq_read(2, 0, len(ids) - 1)[0], keys)
     logits = dst.run({2: ([ids[-1]], len(ids) - 1)})[2]
     torch.testing.assert_close(logits, full_logits(model, ids)[-1], atol=1e-4, rtol=0)
+    src.cache.seq_load(1, 0, keys, values)  # into pools a forward allocated (inference tensors): a page-in
+    torch.testing.assert_close(src.run({1: ([ids[-1]], len(ids) - 1)})[1], logits, atol=1e-5, rtol=0)
 
 
 def test_load_is_refused_before_anything_changes():

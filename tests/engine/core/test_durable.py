@@ -1,9 +1,12 @@
 """Durable sequences (engine/core/state): a fork family written to a state dir comes back in a new engine
-under the same ids, with the same tokens and its cells (shared once), and continues exactly as it would have
-without the restart; another model's cells are refused (recompute); archives move a family; limits hold."""
+under the same ids, with the same tokens and its cells (shared once: at start with `state_eager`, else when
+each sequence is next scheduled), and continues exactly as it would have without the restart; cells a
+sequence lost in RAM come back from disk, not from a recompute; another model's cells are refused
+(recompute); archives move a family; limits hold."""
 
 import errno
 import logging
+import shutil
 
 import pytest
 import torch
@@ -61,11 +64,14 @@ def saved(model, tmp_path):
 
 def test_family_comes_back_with_same_ids_tokens_and_shared_cells(model, saved):
     before, ids, state = saved
-    again = make_engine(model=model, n_cells=N_CELLS, state_dir=state)
-    assert set(again.sequences) == set(before.sequences)
+    lazy = make_engine(model=model, n_cells=N_CELLS, state_dir=state)
+    again = make_engine(model=model, n_cells=N_CELLS, state_dir=state, state_eager=True)
+    assert set(again.sequences) == set(lazy.sequences) == set(before.sequences)
     for seq_id in before.sequences:
-        info, was = again.sequence_info(seq_id), before.sequence_info(seq_id)
+        info, was, back = again.sequence_info(seq_id), before.sequence_info(seq_id), lazy.sequence_info(seq_id)
         assert (info.token_ids, info.parent, info.n_cached) == (was.token_ids, was.parent, len(was.token_ids) - 1)
+        assert (back.token_ids, back.n_cached, back.n_saved) == (was.token_ids, 0, len(was.token_ids) - 1)
+    assert lazy.cache.used_cells() == 0  # lazy: nothing loaded before it is used
     assert again.cache.used_cells() == before.cache.used_cells()  # the family's prefix is in the pool once
     check_cells_match_sequences(again)
     files = list((state / "cells").glob("*.safetensors"))
@@ -75,16 +81,18 @@ def test_family_comes_back_with_same_ids_tokens_and_shared_cells(model, saved):
 
 def test_restored_cells_give_the_logits_of_a_recompute(model, saved):
     _, ids, state = saved
-    again = make_engine(model=model, n_cells=N_CELLS, state_dir=state)
+    again = make_engine(model=model, n_cells=N_CELLS, state_dir=state, state_eager=True)
     for seq_id in ids.values():
         seq = again.sequences[seq_id]
         logits = again.runner.run({seq.slot: ([seq.token_ids[-1]], seq.n_cached)})[seq.slot]
         torch.testing.assert_close(logits, full_logits(model, seq.token_ids)[-1], atol=1e-4, rtol=0)
 
 
-def test_continuation_after_restart_equals_continuation_without(model, saved):
+@pytest.mark.parametrize("eager", [False, True])
+def test_continuation_after_restart_equals_continuation_without(model, saved, eager, tmp_path):
     before, ids, state = saved
-    again = make_engine(model=model, n_cells=N_CELLS, state_dir=state)
+    shutil.copytree(state, tmp_path / "copy")  # `before` goes on writing to its own folder
+    again = make_engine(model=model, n_cells=N_CELLS, state_dir=tmp_path / "copy", state_eager=eager)
     forwarded = _forwarded(again)
     for name, seq_id in ids.items():
         history = list(before.sequences[seq_id].token_ids)
@@ -92,6 +100,8 @@ def test_continuation_after_restart_equals_continuation_without(model, saved):
         assert expected == greedy_oracle(model, history + [5], 6)
         assert _continue(again, seq_id, [5], 6) == expected, name
     assert max(forwarded) <= 2 * len(ids)  # no re-prefill: one step runs at most the last + new token of each
+    check_cells_match_sequences(again)
+    assert again.cache.used_cells() < sum(len(s.token_ids) for s in again.sequences.values()) / 2  # shared
 
 
 def test_cached_tokens_after_restart_cover_the_whole_history(model, saved):
@@ -102,7 +112,7 @@ def test_cached_tokens_after_restart_cover_the_whole_history(model, saved):
     again.add_request("plain", history + [3], greedy(2), got)  # no sequence: the prefix cache finds the restored cells
     drain(again)
     assert got.deltas[-1].cached_tokens == len(history) - 1  # all but the last history token (never cached idle)
-    assert again.sequence_info(ids["whole"]).n_cached == len(history) - 1
+    assert again.sequence_info(ids["whole"]).n_saved == len(history) - 1  # found on disk: the chunks are shared
 
 
 def test_another_models_cells_are_refused_and_recomputed(saved, caplog):
@@ -158,7 +168,7 @@ def test_byte_budget_drops_least_recently_used_families(model, tmp_path):
     assert engine.persistent.store.cells.total_bytes <= int(1.5 * one_family)
     again = make_engine(model=model, n_cells=N_CELLS, state_dir=tmp_path)
     assert again.sequences[old.seq_id].token_ids == engine.sequences[old.seq_id].token_ids  # tokens kept
-    assert (again.sequences[old.seq_id].n_cached, again.sequences[new.seq_id].n_cached) == (0, 129)
+    assert (again.sequence_info(old.seq_id).n_saved, again.sequence_info(new.seq_id).n_saved) == (0, 129)
 
 
 def test_disk_full_is_storage_full_and_loses_nothing(model, saved, monkeypatch):

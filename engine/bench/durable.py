@@ -5,16 +5,16 @@
 
 A root sequence over `--prefix-len` random tokens, `--branches` forks of it, each continued with its own
 `--branch-len` tokens (prefilled, max_tokens 0), all written to a state dir. Then, each on a fresh engine
-over the same model: (1) *restored*: a new engine on the state dir (restore time measured), then the time to
-first token of each branch continued by one token, one branch after the other; (2) *recomputed*: the same
-records without their cell files (tokens only), same continuation (the first branch re-prefills the prefix,
-later ones share it through the prefix cache). Then bytes: the cell files on disk vs `--branches` times one
-branch's own size (what saving each sequence's KV separately would take, llama.cpp's slot save). Last, the
-restore time of `--many` sequences (forks of the root at chunk boundaries: records read, cells shared).
+over the same model and its own copy of that folder: restore time, then the time to first token of each
+branch continued by one token, one branch after the other, restored (1) *lazily* (the default: cells load
+from disk when a branch is scheduled), (2) *eagerly* (`state_eager`: loaded at start), (3) *recomputed*: the
+same records without their cell files (tokens only; the first branch re-prefills the prefix, later ones share
+it through the prefix cache). Then bytes: the cell files on disk vs `--branches` times one branch's own size
+(what saving each sequence's KV separately would take, llama.cpp's slot save). Last, the restore time of
+`--many` sequences (forks of the root at chunk boundaries: records read; eagerly: cells shared too).
 """
 
 import argparse
-import logging
 import shutil
 import statistics
 import sys
@@ -102,21 +102,19 @@ def main(argv: list[str] | None = None) -> int:
         cell_bytes = runner.cell_bytes
         del first
 
-        t0 = time.perf_counter()
-        restored = engine_on(model, tok, EngineArgs(**{**base.__dict__, "state_dir": state}))
-        restore_s = time.perf_counter() - t0
-        t_restored, w_restored = ttft(restored, branches)
-        del restored
-
+        runs = {}  # name -> (restore s, TTFTs, TTFTs with the write)
+        for name, eager in (("lazy", False), ("eager", True)):
+            shutil.copytree(state, work / name)
+            t0 = time.perf_counter()
+            restored = engine_on(model, tok, EngineArgs(**{**base.__dict__, "state_dir": work / name,
+                                                           "state_eager": eager}))
+            runs[name] = (time.perf_counter() - t0, *ttft(restored, branches))
+            del restored
         bare = work / "tokens-only"
         shutil.copytree(state / "sequences", bare / "sequences")
-        quiet = logging.getLogger("cellserve.state")
-        level, quiet.level = quiet.level, logging.ERROR  # "restored by recompute" for every branch: meant here
         t0 = time.perf_counter()
         recomputed = engine_on(model, tok, EngineArgs(**{**base.__dict__, "state_dir": bare}))
-        recompute_load_s = time.perf_counter() - t0
-        quiet.setLevel(level)
-        t_recomputed, w_recomputed = ttft(recomputed, branches)
+        runs["recomputed"] = (time.perf_counter() - t0, *ttft(recomputed, branches))
         del recomputed
 
         on_disk = dir_bytes(state / "cells")
@@ -130,9 +128,11 @@ def main(argv: list[str] | None = None) -> int:
         for i in range(a.many - 1):
             maker.fork(root.seq_id, CHUNK * (1 + i % chunks) + 1)
         del maker
-        t0 = time.perf_counter()
-        engine_on(model, tok, EngineArgs(**{**base.__dict__, "state_dir": many}))
-        t_many = time.perf_counter() - t0
+        t_many = {}
+        for eager in (False, True):
+            t0 = time.perf_counter()
+            engine_on(model, tok, EngineArgs(**{**base.__dict__, "state_dir": many, "state_eager": eager}))
+            t_many[eager] = time.perf_counter() - t0
         t0 = time.perf_counter()
         engine_on(model, tok, base)
         t_empty = time.perf_counter() - t0
@@ -143,17 +143,19 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {machine()}")
     print(f"model {name} ({base.dtype}), {cell_bytes} B/cell; family: {a.prefix_len}-token prefix, {a.branches} "
           f"branches of {a.branch_len} tokens (built and saved in {built_s:.1f} s)")
-    print(f"restore of the family: {restore_s:.2f} s (engine build included; tokens only: {recompute_load_s:.2f} s)")
-    print(f"TTFT per branch, restored cells : first {t_restored[0] * 1e3:8.1f} ms, mean {statistics.mean(t_restored) * 1e3:8.1f} ms")
-    print(f"TTFT per branch, recomputed     : first {t_recomputed[0] * 1e3:8.1f} ms, mean {statistics.mean(t_recomputed) * 1e3:8.1f} ms")
-    print(f"  with the write of the sequence and its new cells: restored mean {statistics.mean(w_restored) * 1e3:.1f} ms, "
-          f"recomputed mean {statistics.mean(w_recomputed) * 1e3:.1f} ms")
-    print(f"  -> first branch {t_recomputed[0] / t_restored[0]:.1f}x faster restored; all {a.branches} branches "
-          f"{sum(t_recomputed) / sum(t_restored):.1f}x")
+    print("restore of the family (engine build included), then TTFT of a one-token continuation of each branch:")
+    rec = runs["recomputed"][1]
+    for name, (load_s, first_s, done_s) in runs.items():
+        print(f"  {name:10s}: restore {load_s:6.2f} s; TTFT first {first_s[0] * 1e3:8.1f} ms, mean "
+              f"{statistics.mean(first_s) * 1e3:8.1f} ms (with the write: mean {statistics.mean(done_s) * 1e3:8.1f} ms)"
+              + ("" if name == "recomputed" else f"; vs recomputed: first {rec[0] / first_s[0]:.1f}x, all "
+                 f"{sum(rec) / sum(first_s):.1f}x"))
     print(f"cell files on disk: {on_disk / 2**20:.1f} MiB vs {a.branches} x one branch = "
           f"{a.branches * per_seq / 2**20:.1f} MiB ({on_disk / (a.branches * per_seq):.2f}x)")
-    print(f"restore of {a.many} sequences (forks at chunk boundaries): {t_many - t_empty:.2f} s "
-          f"({(t_many - t_empty) / a.many * 1e3:.2f} ms each; engine build {t_empty:.2f} s left out)")
+    for eager, took in t_many.items():
+        print(f"restore of {a.many} sequences (forks at chunk boundaries), {'eager' if eager else 'lazy'}: "
+              f"{took - t_empty:.2f} s ({(took - t_empty) / a.many * 1e3:.2f} ms each; engine build {t_empty:.2f} s "
+              "left out)")
     return 0
 
 

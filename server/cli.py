@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 
-from engine.api.args import EngineArgs
+from engine.api.args import QUANTIZE_MODES, EngineArgs
 from server.config import (
     KEEP_ALIVE_S,
     engine_factory,
@@ -79,6 +79,10 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "quantized; quantized: a .gguf's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K blocks run as they are, "
                         "the file's bytes in memory; float32/bfloat16: a .gguf dequantized to it once; "
                         "bfloat16 is ~2x faster than float32 on CPUs with AVX512-BF16)")
+    p.add_argument("--quantize", default=ENGINE.quantize, choices=list(QUANTIZE_MODES),
+                   help="quantize a float folder's linears at load, weight-only in blocks of 32 (int8: Q8_0, "
+                        "~1/4 of float32's bytes; int4: Q4_1, ~1/6; the LM head Q8_0) and run them on the "
+                        "quantized kernels; Llama/Mistral/Qwen2 models; not with a GGUF served quantized")
     p.add_argument("--attention", default=ENGINE.attention, choices=["fast", "reference"],
                    help="fast: read only visible cells (default); reference: dense mask over the pool")
     p.add_argument("--served-model-name", default=None, help="model id reported by the API")

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 SPECULATIVE_METHODS = ("auto", "ngram", "off", None)
+QUANTIZE_MODES = ("none", "int8", "int4")  # weight-only, 32-weight blocks (engine/loader/quantize.py)
 DEFAULT_SLOTS = 256  # sequence slots in the cell pool at least (persistent and cached sequences hold one)
 
 
@@ -19,6 +20,9 @@ class EngineArgs:
 
     model: str | Path | None = None  # a HF folder, a .gguf file, a known name; None: the bundled model
     dtype: str = "auto"
+    # "int8" / "int4": a float folder's linears quantized at load (Q8_0 / Q4_1 blocks), run on the native
+    # forward's quantized kernels; Llama-family models only, not with a GGUF served from its own blocks
+    quantize: str = "none"
     n_cells: int | None = None  # KV pool size in tokens (or give kv_memory_bytes); None: the runner's rule
     kv_memory_bytes: int | None = None
     max_num_seqs: int = 256  # sequences generating at once
@@ -51,6 +55,8 @@ class EngineArgs:
     def __post_init__(self):
         if self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative={self.speculative!r}: use one of {SPECULATIVE_METHODS}")
+        if self.quantize not in QUANTIZE_MODES:
+            raise ValueError(f"quantize={self.quantize!r}: use one of {', '.join(QUANTIZE_MODES)}")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens}: use 1 to 16")
 

@@ -77,7 +77,8 @@ class Engine:
         is given). `LLM`, `AsyncEngine` and the benchmarks all come here."""
         if runner is None:
             args, _ = resolve_args(args)
-            runner = ModelRunner.from_pretrained(args.model, dtype=args.dtype, **args.runner_kwargs())
+            runner = ModelRunner.from_pretrained(args.model, dtype=args.dtype, quantize=args.quantize,
+                                                 **args.runner_kwargs())
         return cls(runner, args)
 
     @property

@@ -285,19 +285,12 @@ def is_gguf_folder(folder: str | Path) -> bool:
         return False
 
 
-def load_gguf_model(folder: str | Path):
-    """(model skeleton, tokenizer, tensors) of a `weights: "gguf"` folder: the transformers model built
-    from the folder's config with every parameter a zero-byte placeholder (a broadcast scalar: the
-    model reports its device and dtype, holds no weights and must not be run), and the GGUF's tensors
-    as `load_quantized` gives them, for `NativeLlama` to take."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+def placeholder_model(config):
+    """The transformers model of `config` with every parameter a zero-byte placeholder (a broadcast scalar:
+    the model reports its device and dtype, float32, holds no weights and must not be run): the
+    architecture for `NativeLlama`, which runs quantized tensors given beside it."""
+    from transformers import AutoModelForCausalLM
 
-    folder = Path(folder)
-    info = json.loads((folder / "cellserve.json").read_text())
-    src = Path(info["gguf"])
-    if not src.is_file():
-        raise ModelSourceError(f"{folder} serves the weights of {src}, which is gone; convert the file again")
-    config = AutoConfig.from_pretrained(folder, local_files_only=True)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     model.config._attn_implementation = "sdpa"
@@ -308,8 +301,23 @@ def load_gguf_model(folder: str | Path):
         for bname, b in list(module.named_buffers(recurse=False)):
             if b.device.type == "meta":
                 module._buffers[bname] = torch.empty(b.shape, dtype=b.dtype)
-    base = model.model
-    base.rotary_emb = type(base.rotary_emb)(config=config)  # its inv_freq, computed on the CPU
+    base = getattr(model, "model", None)
+    if hasattr(base, "rotary_emb"):
+        base.rotary_emb = type(base.rotary_emb)(config=config)  # its inv_freq, computed on the CPU
+    return model.eval()
+
+
+def load_gguf_model(folder: str | Path):
+    """(model skeleton, tokenizer, tensors) of a `weights: "gguf"` folder: `placeholder_model` of the
+    folder's config, and the GGUF's tensors as `load_quantized` gives them, for `NativeLlama` to take."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    folder = Path(folder)
+    info = json.loads((folder / "cellserve.json").read_text())
+    src = Path(info["gguf"])
+    if not src.is_file():
+        raise ModelSourceError(f"{folder} serves the weights of {src}, which is gone; convert the file again")
+    model = placeholder_model(AutoConfig.from_pretrained(folder, local_files_only=True))
     _, tensors = load_quantized(src)
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
     return model.eval(), tokenizer, tensors

@@ -13,10 +13,12 @@ from pathlib import Path
 
 import torch
 
+from engine.api.errors import ModelSourceError
 from engine.cells.cache import DEFAULT_MAX_SEQS, CellCache
 from engine.cells.plan import row_gather_for
 from engine.loader.gguf_tensors import is_gguf_folder, load_gguf_model
 from engine.loader.hf import load_hf_folder
+from engine.loader.quantize import load_quantized_folder
 from engine.model.flat_step import FlatStep, flatten_step
 from engine.model.hf_attention import (
     ATTENTION_PATHS,
@@ -115,21 +117,43 @@ class ModelRunner:
         dtype: torch.dtype | str = "auto",
         attn_implementation: str = "sdpa",
         device: str = "cpu",
+        quantize: str | None = "none",
         **kwargs,
     ) -> "ModelRunner":
         """Load a local Hugging Face causal-LM folder (config, safetensors, tokenizer); never downloads.
 
         `dtype="auto"` keeps the checkpoint's dtype (as vLLM's default); a name like "bfloat16" or a
         torch dtype forces one. On CPUs with AVX512-BF16/AMX, bfloat16 runs about twice as fast.
+        `quantize="int8"|"int4"`: the linears quantized at load into 32-weight blocks and run on the
+        native forward's quantized kernels (engine/loader/quantize.py); `dtype` then holds the matrices
+        left float (the embedding, when not tied to the head).
         """
+        if quantize not in (None, "none"):
+            return cls._quantized(path, quantize, dtype, **kwargs)
         if is_gguf_folder(path):  # weights served from the GGUF file as they are (dtype "quantized")
             model, tokenizer, tensors = load_gguf_model(path)
             return cls(model, tokenizer, tensors=tensors, **kwargs)
         if dtype == "quantized":
             raise ValueError(f"dtype 'quantized' serves a .gguf file's own blocks; {path} is a float folder "
-                             f"(int8/int4 for any folder is issue #26, phase 2)")
+                             f"(to quantize it, use --quantize int8 or int4)")
         model, tokenizer = load_hf_folder(path, dtype=dtype, attn_implementation=attn_implementation, device=device)
         return cls(model, tokenizer, **kwargs)
+
+    @classmethod
+    def _quantized(cls, path, quantize: str, dtype, **kwargs) -> "ModelRunner":
+        if is_gguf_folder(path):
+            raise ModelSourceError(
+                f"--quantize {quantize} quantizes float weights, but {path} is served from a GGUF file's own "
+                f"quantized blocks: drop --quantize to run the file's blocks as they are, or add --dtype float32 "
+                f"to dequantize the file once (cached) and quantize that")
+        if str(dtype) == "quantized":
+            raise ModelSourceError(f"dtype 'quantized' serves a .gguf file's own blocks and --quantize {quantize} "
+                                   f"quantizes a float folder: choose one")
+        if kwargs.get("attention", "fast") != "fast" or kwargs.get("native") is False:
+            raise ModelSourceError(f"--quantize {quantize} runs on the native forward only (attention 'fast', "
+                                   f"native not False)")
+        model, tokenizer, tensors = load_quantized_folder(path, quantize, dtype, check=native_unsupported)
+        return cls(model, tokenizer, tensors=tensors, **kwargs)
 
     @property
     def n_cells(self) -> int:

@@ -1,0 +1,211 @@
+"""`--quantize int8|int4` for any Hugging Face folder of a Llama-family model: weight-only, 32-weight groups.
+
+The float linears (q/k/v/o, gate/up/down and the LM head) are read one tensor at a time from the folder's
+safetensors and quantized at load into GGUF's own 32-weight block formats, so they run on the same
+kernels and the same native forward as a quantized GGUF file (`QuantWeight`, engine/loader/gguf_tensors.py;
+engine/model/native/quant.py): `load_quantized_folder` returns the `tensors` dict `load_quantized` returns
+for a GGUF file (llama.cpp names) and a placeholder model skeleton. No float copy of a quantized matrix is
+kept; the embedding, the norms and the biases stay float (the embedding in float32, or bfloat16 when the
+checkpoint or `dtype` is bfloat16/float16), except that a tied embedding shares the quantized head's
+blocks (rows dequantized per lookup), as tied GGUF files do.
+
+Formats (`FORMATS`), per block of 32 consecutive weights x of one row, rounded as ggml's reference
+quantizers (ggml-quants.c `quantize_row_*_ref`; gguf-py's `quants.quantize` gives the same bytes, the
+tests check it bit for bit); d and m are stored as fp16, q is computed with the float32 d:
+  int8 -> Q8_0: d = max|x| / 127, q = roundf(x / d) (half away from zero) in [-127, 127], w = d q.
+        |x - w| <= d/2 + 127 |d - fp16(d)|: about 0.53 d.                       1.0625 bytes a weight
+  int4 -> Q4_1: d = (max x - min x) / 15, m = min x, q = trunc((x - m) / d + 0.5) clamped to [0, 15],
+        w = d q + m.  |x - w| <= d/2 + 15 |d - fp16(d)| + |m - fp16(m)|.       0.625 bytes a weight
+  (Q4_0, the other 4-bit format: d = x_amax / -8 with x_amax the signed value of largest magnitude,
+   q = trunc(x / d + 8.5) clamped to [0, 15], w = d (q - 8); the value opposite x_amax lands on q = 16
+   and is clamped, an error of a whole |d|. Q4_1's min/max grid has the lower error on every model
+   measured (relative RMS error 9.4% vs 10.9% on the bundled model's linears, logits and perplexity
+   likewise: docs/performance.md), for 11% more bytes, so int4 is Q4_1.)
+A matrix whose input size is not a multiple of 32 stays float (logged once per load).
+
+Per-block rounding only: no calibration data, no error feedback. The quantized weights differ from the
+float ones by the bounds above, and with the kernels' per-32 int8 rounding of the activations (engine/
+model/native/quant.py) the logits move by the amounts docs/performance.md and the tests state.
+"""
+
+import json
+import logging
+import re
+from pathlib import Path
+
+import torch
+
+from engine.api.errors import ModelSourceError
+from engine.loader.gguf_tensors import QuantWeight, placeholder_model
+
+log = logging.getLogger("cellserve.quantize")
+
+GROUP = 32  # weights per block: one scale (and a minimum for Q4_1) per 32
+FORMATS = {"int8": "q8_0", "int4": "q4_1"}  # --quantize -> the block format the linears are stored in
+HEAD_FORMAT = "q8_0"  # the LM head's (and a tied embedding's), whichever the mode
+CHUNK_ELEMENTS = 1 << 22  # rows quantized at once: at most ~16 MB of float32 temporaries per step
+
+# Hugging Face parameter names -> llama.cpp's (the names quant.layer_weights/model_weights read)
+_TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+        "lm_head.weight": "output.weight"}
+_LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
+          "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+          "mlp.down_proj": "ffn_down"}
+_LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
+_REQUIRED = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+             "model.layers.0.self_attn.q_proj.weight": "blk.0.attn_q.weight"}
+LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+
+
+def gguf_name(hf_name: str) -> str | None:
+    """The llama.cpp name of a Llama-family parameter (None for anything else, e.g. rotary buffers)."""
+    if hf_name in _TOP:
+        return _TOP[hf_name]
+    m = _LAYER_RE.fullmatch(hf_name)
+    if not m:
+        return None
+    i, rest = m.groups()
+    if rest in _LAYER:
+        return f"blk.{i}.{_LAYER[rest]}"
+    module, _, param = rest.rpartition(".")
+    return f"blk.{i}.{_LAYER[module]}.{param}" if module in _LAYER and param in ("weight", "bias") else None
+
+
+def _roundf(v: torch.Tensor) -> torch.Tensor:
+    """C's roundf (half away from zero), exactly: floor(|v|) + floor(2 frac(|v|)), signed."""
+    a = v.abs()
+    f = a.floor()
+    return torch.sign(v) * (f + (2 * (a - f)).floor())
+
+
+def _inverse(d: torch.Tensor) -> torch.Tensor:
+    return torch.where(d == 0, torch.zeros_like(d), 1 / d)
+
+
+def _nibbles(q: torch.Tensor) -> torch.Tensor:
+    """[n, g, 32] values < 16 -> [n, g * 16] bytes: byte j = element j | element j + 16 << 4."""
+    return (q[..., :16] | (q[..., 16:] << 4)).reshape(q.shape[0], -1)
+
+
+def _blocks(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(qs, d, m) of float32 rows `x` [n, g, 32] in `kind` (the module docstring's rules)."""
+    n = x.shape[0]
+    if kind == "q8_0":
+        d = x.abs().amax(-1, keepdim=True) / 127
+        q = _roundf(x * _inverse(d))
+        return (q.to(torch.int16) + 128).to(torch.uint8).reshape(n, -1), d.half().reshape(n, -1), None
+    if kind == "q4_0":
+        d = x.gather(-1, x.abs().argmax(-1, keepdim=True)) / -8
+        q = torch.trunc(x * _inverse(d) + 8.5).clamp_(0, 15).to(torch.uint8)
+        return _nibbles(q), d.half().reshape(n, -1), None
+    if kind == "q4_1":
+        lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+        d = (hi - lo) / 15
+        q = torch.trunc((x - lo) * _inverse(d) + 0.5).clamp_(0, 15).to(torch.uint8)
+        return _nibbles(q), d.half().reshape(n, -1), lo.half().reshape(n, -1)
+    raise ValueError(f"no quantizer for {kind!r}: use one of q8_0, q4_0, q4_1")
+
+
+def quantize_weight(w: torch.Tensor, kind: str) -> QuantWeight:
+    """A float [N, K] matrix (K a multiple of 32) as a `QuantWeight` of `kind` ("q8_0", "q4_0", "q4_1"),
+    quantized a chunk of rows at a time (float32 temporaries stay ~16 MB whatever the matrix)."""
+    n, k = w.shape
+    if k % GROUP:
+        raise ValueError(f"a [{n}, {k}] matrix cannot be quantized in blocks of {GROUP}: {k} is not a multiple")
+    step = max(1, CHUNK_ELEMENTS // k)
+    parts = [_blocks(w[r:r + step].float().reshape(-1, k // GROUP, GROUP), kind) for r in range(0, n, step)]
+    qs, d, m = (None if parts[0][i] is None else torch.cat([p[i] for p in parts]) for i in range(3))
+    return QuantWeight(kind, qs, d, m)
+
+
+def _safetensors_files(folder: Path) -> list[Path]:
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [folder / n for n in names]
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ModelSourceError(f"{folder} has no .safetensors weights; --quantize reads safetensors folders "
+                               f"(save the model with save_pretrained(safe_serialization=True))")
+    return files
+
+
+def _float_dtype(dtype, stored: torch.dtype) -> torch.dtype:
+    """The dtype the matrices kept float are held in: float32, or bfloat16 for a bf16/fp16 choice."""
+    name = str(stored if dtype in ("auto", None) else dtype).removeprefix("torch.")
+    return torch.float32 if name == "float32" else torch.bfloat16
+
+
+def read_quantized(folder: str | Path, mode: str, dtype="auto", *, head: str | None = HEAD_FORMAT) -> dict:
+    """The folder's Llama-family tensors by llama.cpp name: the linears as `QuantWeight`s of
+    `FORMATS[mode]`, the LM head in the block kind `head` (None: float), norms and biases in float32,
+    the embedding (and a float head) in `_float_dtype(dtype)`."""
+    from safetensors import safe_open
+
+    out: dict = {}
+    kept_float: list[str] = []
+    for path in _safetensors_files(Path(folder)):
+        with safe_open(path, framework="pt") as f:
+            for hf_name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
+                name = gguf_name(hf_name)
+                if name is None:
+                    continue
+                t = f.get_tensor(hf_name)
+                kind = FORMATS[mode] if name.split(".")[-2] in LINEARS else head if name == "output.weight" else None
+                quantize = kind is not None and name.endswith(".weight")
+                if quantize and t.shape[1] % GROUP == 0:
+                    out[name] = quantize_weight(t, kind)
+                elif t.dim() == 1:
+                    out[name] = t.float()
+                else:
+                    if quantize:
+                        kept_float.append(name)
+                    out[name] = t.to(_float_dtype(dtype, t.dtype)).contiguous()
+    if kept_float:
+        log.warning("%s: %d matrices have an input size that is not a multiple of %d and stay float (%s, ...)",
+                    folder, len(kept_float), GROUP, kept_float[0])
+    return out
+
+
+def _tie(tensors: dict, config, head: str | None) -> None:
+    """A tied head reads the embedding: its table quantized to `head` (None: the float table)."""
+    if "output.weight" in tensors or not getattr(config, "tie_word_embeddings", False):
+        return
+    embed = tensors["token_embd.weight"]
+    if head and not isinstance(embed, QuantWeight) and embed.shape[1] % GROUP == 0:
+        tensors["token_embd.weight"] = quantize_weight(embed, head)
+
+
+def load_quantized_folder(folder: str | Path, mode: str, dtype="auto", *, check=None,
+                          head: str | None = HEAD_FORMAT):
+    """(model skeleton, tokenizer, tensors) of a Hugging Face folder, quantized to `mode` ("int8", "int4").
+
+    `check(skeleton)` returns why the native forward cannot run this model (None when it can); it is
+    asked before any weight is read, so an unsupported model fails fast with that reason. `head`: the
+    LM head's block kind (None keeps it, and a tied embedding, float). The skeleton's config records the format, so saved
+    cells (engine/core/state) of one mode are never restored into another."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    if mode not in FORMATS:
+        raise ModelSourceError(f"quantize={mode!r}: use one of none, {', '.join(FORMATS)}")
+    folder = Path(folder)
+    if not (folder / "config.json").is_file():
+        raise ModelSourceError(f"{folder} is not a model folder: it has no config.json")
+    config = AutoConfig.from_pretrained(folder, local_files_only=True)
+    model = placeholder_model(config)
+    reason = check(model) if check else None
+    if reason:
+        raise ModelSourceError(f"--quantize {mode} runs on the native Llama-family forward, which cannot run "
+                               f"{folder.name}: {reason}; serve it without --quantize")
+    tensors = read_quantized(folder, mode, dtype, head=head)
+    _tie(tensors, config, head)
+    missing = [hf for hf, name in _REQUIRED.items() if name not in tensors]
+    if missing:
+        raise ModelSourceError(f"{folder}: its safetensors have no {missing[0]}; --quantize reads Llama-family "
+                               f"checkpoints under transformers' names")
+    model.config.cellserve_quantize = f"{FORMATS[mode]}, head {head or 'float'}"
+    if (folder / "generation_config.json").is_file():  # its EOS ids, as from_pretrained would read them
+        model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)
+    tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)
+    return model, tokenizer, tensors

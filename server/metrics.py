@@ -8,7 +8,8 @@ Guarantees:
   finished); inter-token latency is the gap between consecutive token-bearing outputs of one engine
   request as the server receives them. Names follow vLLM's (`cellserve:` prefix instead of `vllm:`).
 - The process itself: prometheus_client's standard `process_resident_memory_bytes`,
-  `process_open_fds`, `process_cpu_seconds_total`, ... (read from /proc at scrape time).
+  `process_open_fds`, `process_cpu_seconds_total`, ... (read from /proc at scrape time), and its peak
+  resident memory, `cellserve:process_peak_resident_memory_bytes` (VmHWM).
 """
 
 import time
@@ -61,6 +62,21 @@ class EngineCollector(Collector):
                 yield family(f"cellserve:{name}", doc, value=value)
 
 
+class PeakMemoryCollector(Collector):
+    """The process's peak resident set (VmHWM, Linux /proc) at scrape time: what a deployment must size for
+    (weights + cells + step buffers at their largest), which the current RSS hides once memory is returned."""
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            with open("/proc/self/status") as f:
+                line = next((x for x in f if x.startswith("VmHWM:")), None)
+        except OSError:
+            return
+        if line is not None:
+            yield GaugeMetricFamily("cellserve:process_peak_resident_memory_bytes",
+                                    "Peak resident memory of this process (VmHWM).", value=int(line.split()[1]) * 1024)
+
+
 class ServerMetrics:
     """The app's registry plus the latency histograms and request counters the routes feed."""
 
@@ -85,6 +101,7 @@ class ServerMetrics:
         reg.register(EngineCollector(stats))
         # process_resident_memory_bytes, open fds, CPU seconds, start time (Linux /proc; nothing elsewhere)
         ProcessCollector(registry=reg)
+        reg.register(PeakMemoryCollector())
 
     def count_edge_refusal(self, status: int) -> None:
         self.edge_refusals.labels(status=str(status)).inc()

@@ -194,6 +194,8 @@ def test_metrics_expose_the_process_rss(srv):
     rss = [line for line in text.splitlines() if line.startswith("process_resident_memory_bytes ")]
     assert rss and float(rss[0].split()[1]) > 10 * 2**20
     assert any(line.startswith("process_open_fds ") for line in text.splitlines())
+    peak = [line for line in text.splitlines() if line.startswith("cellserve:process_peak_resident_memory_bytes ")]
+    assert peak and float(peak[0].split()[1]) >= float(rss[0].split()[1])  # #26: the peak, never below RSS
 
 
 def edge_refusals(srv: LiveServer) -> dict[str, float]:

@@ -4,25 +4,32 @@ A `QuantWeight` (engine/loader/gguf_tensors.py: Q8_0, Q4_0, Q4_1 in 32-weight bl
 0.625 bytes per weight; Q4_K, Q5_K, Q6_K in 256-weight super-blocks, 0.578 / 0.703 / 0.820) is the only
 copy of a linear's weight. `QuantLinear` has `Linear`'s interface
 (call, `silu`, `times`, `plus`, `is_small`, `small`) plus `swiglu` for a [gate; up] weight:
-- with the fused kernels built and AVX-512 VNNI, every row count runs in integers: the rows quantized
-  once per call per 32-block to int8 and dotted with the weight blocks (bias, residual add and SiLU*up
-  fused). Up to `ROW_KERNEL_ROWS` rows (decode): `torch.ops.cellserve.quant_linear`
+- with the fused kernels built and AVX-512 VNNI, up to `BF16_ROWS` rows run in integers: the rows
+  quantized once per call per 32-block to int8 and dotted with the weight blocks (bias, residual add
+  and SiLU*up fused). Up to `ROW_KERNEL_ROWS` rows (decode): `torch.ops.cellserve.quant_linear`
   (engine/model/kernels/csrc/quant_linear.cpp), which streams each weight block once for all the rows;
-  more rows (batched decode, prefill): `torch.ops.cellserve.quant_gemm` (csrc/quant_gemm.cpp), a blocked
-  GEMM that unpacks 32 weight rows x 512 inputs at a time and runs every row over them in int32
-  registers. Both round the activations alike, so their error against dequantize-then-`F.linear` is
-  the same: at most sum_k |w_k| * da_b(k) / 2 per output (tests/engine/model/test_quant_linear.py).
-  The crossover was measured (python -m engine.bench.quant_kernels; docs/performance.md, issue 26):
-  the GEMM beats the row kernel from 2-4 rows and beats the fp32-tile path below at every row count.
-- no VNNI (or `gemm` switched off, the bench's A/B): 1 to 8 rows on the row kernel (plain C without
-  VNNI), more rows dequantized to float32 one tile of `TILE_BYTES` at a time (`quant_dequant`, or torch
-  ops without the kernels) and multiplied by `torch.mm`, so at most one tile of float32 exists per call;
-  the result equals dequantize-then-`F.linear` up to float32 summation order.
+  more (batched decode): `torch.ops.cellserve.quant_gemm` (csrc/quant_gemm.cpp), a blocked GEMM that
+  unpacks 32 weight rows x 512 inputs at a time and runs every row over them in int32 registers. Both
+  round the activations alike, so their error against dequantize-then-`F.linear` is the same: at most
+  sum_k |w_k| * da_b(k) / 2 per output (tests/engine/model/test_quant_linear.py).
+- `BF16_ROWS` rows and more (prefill) where the CPU multiplies bf16 natively (AVX512-BF16; AMX under
+  oneDNN): the weight is dequantized to bf16 one tile of `TILE_BYTES` at a time
+  (`quant_dequant_bf16`, vectorized) and multiplied by torch's bf16 matmul with x rounded to bf16;
+  error: the three bf16 roundings (x, W, the output), within the bound the tests state.
+  The crossovers were measured (`python -m engine.bench.quant_kernels`, docs/performance.md issue 26):
+  the row kernel wins at 1-3 rows, the GEMM from 4 to ~64-96 rows, bf16 tiles above; the GEMM is
+  5-20x faster than the fp32 tiles below at every row count, bf16 tiles 2-6x at 512 rows.
+- no VNNI (or `gemm` switched off: the bench's A/B baseline): 1 to 8 rows on the row kernel (plain C
+  without VNNI), more rows dequantized to float32 one tile of `TILE_BYTES` at a time (`quant_dequant`,
+  or torch ops without the kernels) and multiplied by `torch.mm`, so at most one tile of float32 exists
+  per call; the result equals dequantize-then-`F.linear` up to float32 summation order.
 `QuantEmbedding` looks token rows up in the same blocks (a tied LM head and its embedding share them).
 `GroupLinear` runs stacked weights of several kinds (Q|K|V with V in Q6_K, as Q4_K_M files have it) as
 one linear per kind, and `CastLinear` / `CastEmbedding` hold the tensors of types the kernels do not
 read in bfloat16 (float32 in and out).
 """
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -32,7 +39,8 @@ from engine.model.native.linear import Linear
 
 TILE_BYTES = 8 << 20  # float32 bytes of weight unpacked at once on the fp32-tile path
 MAX_SMALL_ROWS = 8  # rows the row kernel takes when the GEMM is off
-ROW_KERNEL_ROWS = 2  # rows the row kernel takes when the GEMM is on (measured crossover)
+ROW_KERNEL_ROWS = 3  # rows the row kernel takes when the GEMM is on (measured crossover: 2-4)
+BF16_ROWS = 80  # from this many rows bf16 tiles, where the CPU multiplies bf16 natively (measured: 64-96)
 
 
 def _kernels() -> bool:
@@ -55,34 +63,52 @@ class QuantLinear:
     def nbytes(self) -> int:
         return self.weight.nbytes + (0 if self.bias is None else self.bias.numel() * 4)
 
+    def path(self, x: torch.Tensor) -> str:
+        """Which kernel this call runs: "rows" (quant_linear), "gemm" (quant_gemm), "bf16" (bf16 tiles)
+        or "fp32" (fp32 tiles); see the module's docstring."""
+        rows = x.shape[0]
+        if not (self.small and _kernels()):
+            return "fp32"
+        integers, bf16 = _fast()
+        if self.gemm and bf16 and rows >= BF16_ROWS:
+            return "bf16"
+        if not integers:
+            return "fp32"
+        if self.gemm:
+            return "gemm" if rows > ROW_KERNEL_ROWS else "rows"
+        return "rows" if rows <= MAX_SMALL_ROWS else "fp32"
+
     def is_small(self, x: torch.Tensor) -> bool:
-        """Whether this call runs in integers (kernels built with VNNI; any rows with `gemm`, else 1 to 8)."""
-        return (self.small and (self.gemm or x.shape[0] <= MAX_SMALL_ROWS) and _kernels()
-                and torch.ops.cellserve.quant_linear_fast())
+        """Whether this call runs in integers (on the row kernel or the GEMM)."""
+        return self.path(x) in ("rows", "gemm")
 
     def _small(self, x, other, op) -> torch.Tensor:
         w = self.weight
-        kernel = torch.ops.cellserve.quant_gemm if self.gemm and x.shape[0] > ROW_KERNEL_ROWS else \
-            torch.ops.cellserve.quant_linear
+        kernel = torch.ops.cellserve.quant_gemm if self.path(x) == "gemm" else torch.ops.cellserve.quant_linear
         return kernel(x.float().contiguous(), w.tensors(), self.kind, self.bias, other, op)
 
-    def _tile(self, r0: int, r1: int) -> torch.Tensor:
+    def _tile(self, r0: int, r1: int, bf16: bool) -> torch.Tensor:
         w = self.weight
+        if bf16:
+            return torch.ops.cellserve.quant_dequant_bf16(w.tensors(), self.kind, r0, r1)
         if self.small and _kernels():
             return torch.ops.cellserve.quant_dequant(w.tensors(), self.kind, r0, r1)
         return w.dequantize(r0, r1)
 
-    def _dense(self, x: torch.Tensor) -> torch.Tensor:
-        """x @ W.T + b, W unpacked one tile of rows at a time."""
-        x = x.float()
-        n = self.out_features
-        if n <= self.tile:
-            return F.linear(x, self._tile(0, n), self.bias)
-        y = torch.empty(x.shape[0], n, dtype=torch.float32)
-        for r0 in range(0, n, self.tile):
-            r1 = min(n, r0 + self.tile)
-            y[:, r0:r1] = F.linear(x, self._tile(r0, r1), None if self.bias is None else self.bias[r0:r1])
-        return y
+    def _dense(self, x: torch.Tensor, bf16: bool | None = None) -> torch.Tensor:
+        """x @ W.T + b, W unpacked one tile of rows at a time: fp32, or bf16 with x rounded to bf16
+        (`bf16` None: as `path` says)."""
+        bf16 = self.path(x) == "bf16" if bf16 is None else bf16
+        x = x.to(torch.bfloat16) if bf16 else x.float()
+        n, tile = self.out_features, self.tile * (2 if bf16 else 1)
+        if n <= tile:
+            y = F.linear(x, self._tile(0, n, bf16)).float()
+        else:
+            y = torch.empty(x.shape[0], n, dtype=torch.float32)
+            for r0 in range(0, n, tile):
+                r1 = min(n, r0 + tile)
+                y[:, r0:r1] = F.linear(x, self._tile(r0, r1, bf16))
+        return y if self.bias is None else y.add_(self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._small(x, None, "none") if self.is_small(x) else self._dense(x)
@@ -107,6 +133,12 @@ class QuantLinear:
         y = self._dense(x)
         n = self.out_features // 2
         return F.silu(y[:, :n]).mul_(y[:, n:])
+
+
+@functools.cache
+def _fast() -> tuple[bool, bool]:
+    """(the integer kernels are vectorized (AVX-512 VNNI), bf16 tiles pay (AVX512-BF16)) for this build."""
+    return bool(torch.ops.cellserve.quant_linear_fast()), bool(torch.ops.cellserve.quant_bf16_fast())
 
 
 class QuantEmbedding:

@@ -5,7 +5,12 @@ Tolerances, and why:
 - unpacking (`quant_dequant`, `QuantWeight.dequantize`): exact (equal to gguf-py's dequantize: both
   compute d * (q - z) + m in fp32 with the same roundings: for the K-quants (d * sc) * q - dmin * m, and
   (d * sc) * (q - 32) for q6_k; the C++ path is compiled without fused multiply-adds there).
-- many rows (dequantized tiles + torch.mm): fp32 summation order only: atol 1e-4 on outputs of size ~10.
+- many rows on fp32 tiles (dequantized tiles + torch.mm; without VNNI, or the GEMM off): fp32
+  summation order only: atol 1e-4 on outputs of size ~10.
+- many rows on bf16 tiles (`BF16_ROWS` rows and more on CPUs with AVX512-BF16): the tile is the exact
+  dequantized weight rounded to bf16 (checked exactly); x is rounded to bf16 and torch's bf16 matmul
+  sums in fp32 and rounds the output to bf16, so against the fp32 reference an output moves by at most
+  (|x| @ |W|.T) * 2^-8 (two roundings of relative 2^-9) + |y| * 2^-8 (the output's) + 1e-4.
 - the integer kernels (`quant_linear`, the row kernel: 1 to 8 rows at a time; `quant_gemm`, the blocked
   GEMM for many rows): the activations are rounded per 32-block to int8 (scale da = amax / 127, half
   away from zero), so against the fp32 reference an output may move by at most
@@ -31,7 +36,7 @@ import kquants  # tests/engine/loader/kquants.py: K-quant blocks from the defini
 
 from engine.loader.gguf_tensors import KIND_IDS, QuantWeight, pack_blocks
 from engine.model.kernels import build as kernels
-from engine.model.native.quant import QuantEmbedding, QuantLinear
+from engine.model.native.quant import BF16_ROWS, QuantEmbedding, QuantLinear
 
 Q = gguf.GGMLQuantizationType
 KINDS = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K}
@@ -81,6 +86,8 @@ def test_unpacking_is_exact(kind, k):
     torch.testing.assert_close(w.dequantize(5, 30), ref[5:30], atol=0, rtol=0)
     torch.testing.assert_close(torch.ops.cellserve.quant_dequant(w.tensors(), KIND_IDS[kind], 3, 37), ref[3:],
                                atol=0, rtol=0)
+    torch.testing.assert_close(torch.ops.cellserve.quant_dequant_bf16(w.tensors(), KIND_IDS[kind], 3, 37),
+                               ref[3:].bfloat16(), atol=0, rtol=0)
     idx = torch.tensor([4, 0, 36, 4])
     torch.testing.assert_close(QuantEmbedding(w)(idx), ref[idx], atol=0, rtol=0)
 
@@ -109,8 +116,10 @@ def test_small_rows_kernel(kind, k, rows):
                                exact + other, atol=2e-4, rtol=0)
     gu = torch.ops.cellserve.quant_linear(x, w.tensors(), KIND_IDS[kind], bias, None, "swiglu")
     torch.testing.assert_close(gu, F.silu(exact[:, : n // 2]) * exact[:, n // 2:], atol=2e-4, rtol=0)
-    torch.testing.assert_close(lin.plus(x, other), exact + other, atol=2e-4, rtol=0)
-    torch.testing.assert_close(lin.swiglu(x), gu, atol=2e-4, rtol=0)  # > 2 rows: through quant_gemm
+    # QuantLinear: in integers with VNNI (> 2 rows through quant_gemm), else on fp32 tiles (no rounding)
+    want = exact if lin.is_small(x) else F.linear(x, ref, bias)
+    torch.testing.assert_close(lin.plus(x, other), want + other, atol=2e-4, rtol=0)
+    torch.testing.assert_close(lin.swiglu(x), F.silu(want[:, : n // 2]) * want[:, n // 2:], atol=2e-4, rtol=0)
 
 
 # 32-weight kinds: 1,056 inputs = 33 blocks, so 17 pairs, the last one half, over 3 of the GEMM's
@@ -198,3 +207,28 @@ def test_the_test_quantizer_writes_what_gguf_py_reads(kind):
     # a 32-block's range over the step count, + the 6-bit scale codes' relative error (1 / 63)
     bound = np.ptp(w.reshape(8, -1, 32), axis=-1).max() / step * (0.5 + 1.0)
     assert abs(back - w).max() < bound
+
+
+@pytest.mark.parametrize("kind", list(KINDS))
+def test_many_rows_bf16_tiles(kind):
+    """BF16_ROWS rows and more on a CPU with native bf16 matmuls: bf16 tiles (two of them), every verb,
+    within the bf16 rounding bound of the fp32 reference."""
+    if not torch.ops.cellserve.quant_bf16_fast():
+        pytest.skip("bf16 tiles are taken only on CPUs with AVX512-BF16")
+    n, k = 90, _k(kind, 160)
+    w, ref = _weight(kind, n, k, seed=7)
+    g = torch.Generator().manual_seed(2)
+    rows = BF16_ROWS + 3
+    x, other, bias = torch.randn(rows, k, generator=g), torch.randn(rows, n, generator=g), torch.randn(n, generator=g)
+    lin = QuantLinear(w, bias)
+    lin.small = True
+    lin.tile = 32  # bf16 tiles of 64 rows: two, the last one partial
+    assert lin.path(x) == "bf16" and lin.path(x[:BF16_ROWS - 1]) != "bf16"
+    want = F.linear(x, ref, bias)
+    bound = (x.abs() @ ref.abs().T) * 2**-8 + want.abs() * 2**-8 + 1e-4
+    y = lin(x)
+    assert ((y - want).abs() <= bound).all()
+    assert ((lin.plus(x, other) - want - other).abs() <= bound + 1e-5).all()
+    gu, wgu = lin.swiglu(x), F.silu(want[:, :45]) * want[:, 45:]
+    torch.testing.assert_close(gu, F.silu(y[:, :45]) * y[:, 45:], atol=0, rtol=0)
+    assert (gu - wgu).abs().max() < 0.05 * (1 + wgu.abs().max())

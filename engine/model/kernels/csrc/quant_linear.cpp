@@ -16,7 +16,8 @@
 // Many rows with VNNI: quant_gemm.cpp.
 // quant_dequant (the fp32-tile path): rows [r0, r1) of W as fp32 (dv * (q - z) + mv,
 // no fused multiply-add: equal to gguf-py's dequantize), for the Python side to multiply tile by tile
-// (engine/model/native/quant.py), so the whole fp32 matrix never exists.
+// (engine/model/native/quant.py), so the whole fp32 matrix never exists. quant_dequant_bf16 (the
+// bf16-tile path, prefill on CPUs with native bf16 matmuls): the same values rounded to bf16, vectorized.
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -246,7 +247,73 @@ at::Tensor quant_dequant(at::TensorList wl, int64_t kind, int64_t r0, int64_t r1
   return out;
 }
 
+#if defined(CELLSERVE_QUANT_VNNI) && defined(__AVX512BF16__)
+constexpr bool kBf16 = true;
+
+// chunk c (16 values) of a pair's 64 bytes as floats
+inline __m512 chunk_floats(__m512i q, int c) {
+  __m128i b;
+  switch (c) {
+    case 0: b = _mm512_extracti32x4_epi32(q, 0); break;
+    case 1: b = _mm512_extracti32x4_epi32(q, 1); break;
+    case 2: b = _mm512_extracti32x4_epi32(q, 2); break;
+    default: b = _mm512_extracti32x4_epi32(q, 3); break;
+  }
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+}
+
+// rows [a, b) of W as bf16: the fp32 values quant_dequant gives (dv * (q - z), then + mv; no fused
+// multiply-add), each rounded to nearest even
+template <int KIND>
+__attribute__((optimize("fp-contract=off"))) void dequant_bf16_rows(const Weight& w, int64_t r0, int64_t a, int64_t b,
+                                                                     at::BFloat16* out) {
+  const int64_t nb = w.k / 32;
+  const __m512 z = _mm512_set1_ps(static_cast<float>(zero_point(KIND)));
+  for (int64_t n = a; n < b; ++n) {
+    const Row r = row_of(w, n);
+    at::BFloat16* dst = out + (n - r0) * w.k;
+    for (int64_t p = 0; p < (nb + 1) / 2; ++p) {
+      const __m512i q = load_pair<KIND>(r, p, 2 * p + 1 == nb);
+      for (int c = 0; c < 4; ++c) {
+        const int64_t blk = 2 * p + chunk_block(KIND, c);
+        if (blk >= nb) continue;
+        const int half = chunk_half(KIND, c);
+        __m512 v = _mm512_mul_ps(_mm512_set1_ps(block_dv(KIND, r, blk, half)), _mm512_sub_ps(chunk_floats(q, c), z));
+        if (has_mins(KIND)) v = _mm512_add_ps(v, _mm512_set1_ps(block_mv(KIND, r, blk)));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + blk * 32 + half * 16), (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+  }
+}
+
+at::Tensor quant_dequant_bf16(at::TensorList wl, int64_t kind, int64_t r0, int64_t r1) {
+  const Weight w = weight_of(wl, kind);
+  TORCH_CHECK(0 <= r0 && r0 <= r1 && r1 <= w.n, "quant_dequant_bf16: rows out of range");
+  auto out = at::empty({r1 - r0, w.k}, wl[0].options().dtype(at::kBFloat16));
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(r0, r1, 8, [&](int64_t a, int64_t b) {
+    switch (kind) {
+      case Q8_0: dequant_bf16_rows<Q8_0>(w, r0, a, b, op); break;
+      case Q4_0: dequant_bf16_rows<Q4_0>(w, r0, a, b, op); break;
+      case Q4_1: dequant_bf16_rows<Q4_1>(w, r0, a, b, op); break;
+      case Q4_K: dequant_bf16_rows<Q4_K>(w, r0, a, b, op); break;
+      case Q5_K: dequant_bf16_rows<Q5_K>(w, r0, a, b, op); break;
+      default: dequant_bf16_rows<Q6_K>(w, r0, a, b, op); break;
+    }
+  });
+  return out;
+}
+#else
+constexpr bool kBf16 = false;
+
+at::Tensor quant_dequant_bf16(at::TensorList wl, int64_t kind, int64_t r0, int64_t r1) {
+  return quant_dequant(wl, kind, r0, r1).to(at::kBFloat16);  // correct, not fast
+}
+#endif
+
 bool quant_linear_fast() { return kVnni; }
+// whether quant_dequant_bf16 is vectorized and the CPU multiplies bf16 natively (AVX512-BF16)
+bool quant_bf16_fast() { return kBf16; }
 
 }  // namespace
 
@@ -259,10 +326,13 @@ at::Tensor cq::linear_by_eights(const Call& c) {
 TORCH_LIBRARY_FRAGMENT(cellserve, m) {
   m.def("quant_linear(Tensor x, Tensor[] w, int kind, Tensor? bias, Tensor? other, str op) -> Tensor");
   m.def("quant_dequant(Tensor[] w, int kind, int r0, int r1) -> Tensor");
+  m.def("quant_dequant_bf16(Tensor[] w, int kind, int r0, int r1) -> Tensor");
   m.def("quant_linear_fast() -> bool", &quant_linear_fast);
+  m.def("quant_bf16_fast() -> bool", &quant_bf16_fast);
 }
 
 TORCH_LIBRARY_IMPL(cellserve, CPU, m) {
   m.impl("quant_linear", &quant_linear);
   m.impl("quant_dequant", &quant_dequant);
+  m.impl("quant_dequant_bf16", &quant_dequant_bf16);
 }

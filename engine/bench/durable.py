@@ -54,19 +54,27 @@ def build_family(engine: Engine, prefix: list[int], tails: list[list[int]]) -> l
     return branches
 
 
-def ttft(engine: Engine, seq_ids: list[str]) -> tuple[list[float], list[float]]:
-    """Seconds to the first token of a one-token continuation of each sequence, one after the other, and
-    seconds until its request is done (the sequence and its new cells written to the state dir too)."""
-    first, done = [], []
-    for i, seq_id in enumerate(seq_ids):
-        seen: list[float] = []
-        t0 = time.perf_counter()
-        engine.add_request(f"next-{i}", [42], SamplingParams(max_tokens=1, temperature=0),
-                           lambda out, seen=seen: seen.append(time.perf_counter()), seq_id=seq_id)
-        drain(engine)
-        first.append(seen[0] - t0)
-        done.append(time.perf_counter() - t0)
-    return first, done
+def next_token(engine: Engine, seq_id: str) -> tuple[float, float]:
+    """Seconds to the first token of a one-token continuation of the sequence, and seconds until its request
+    is done (the sequence and its new cells written to the state dir too)."""
+    seen: list[float] = []
+    t0 = time.perf_counter()
+    engine.add_request(f"next-{seq_id}", [42], SamplingParams(max_tokens=1, temperature=0),
+                       lambda out, seen=seen: seen.append(time.perf_counter()), seq_id=seq_id)
+    drain(engine)
+    return seen[0] - t0, time.perf_counter() - t0
+
+
+def timed_page_ins(engine: Engine) -> list[float]:
+    """Seconds each call of the engine's pager (cells loaded from disk at admission) took (instruments it)."""
+    took, page_in = [], engine.scheduler.pager
+    if page_in is not None:
+        def timed(*args):
+            t0 = time.perf_counter()
+            page_in(*args)
+            took.append(time.perf_counter() - t0)
+        engine.scheduler.pager = timed
+    return took
 
 
 def dir_bytes(path: Path) -> int:
@@ -102,20 +110,26 @@ def main(argv: list[str] | None = None) -> int:
         cell_bytes = runner.cell_bytes
         del first
 
-        runs = {}  # name -> (restore s, TTFTs, TTFTs with the write)
-        for name, eager in (("lazy", False), ("eager", True)):
-            shutil.copytree(state, work / name)
+        # Three engines side by side, each on its own copy of the folder, and the branches continued in turn on
+        # each (branch 1 on lazy, eager, recomputed, then branch 2...): a busy machine's drift hits all alike.
+        shutil.copytree(state / "sequences", work / "recomputed" / "sequences")  # tokens only
+        engines, runs, paging = {}, {}, {}
+        for variant, eager in (("lazy", False), ("eager", True), ("recomputed", False)):
+            if variant != "recomputed":
+                shutil.copytree(state, work / variant)
             t0 = time.perf_counter()
-            restored = engine_on(model, tok, EngineArgs(**{**base.__dict__, "state_dir": work / name,
-                                                           "state_eager": eager}))
-            runs[name] = (time.perf_counter() - t0, *ttft(restored, branches))
-            del restored
-        bare = work / "tokens-only"
-        shutil.copytree(state / "sequences", bare / "sequences")
-        t0 = time.perf_counter()
-        recomputed = engine_on(model, tok, EngineArgs(**{**base.__dict__, "state_dir": bare}))
-        runs["recomputed"] = (time.perf_counter() - t0, *ttft(recomputed, branches))
-        del recomputed
+            engines[variant] = engine_on(model, tok, EngineArgs(**{**base.__dict__, "state_dir": work / variant,
+                                                                   "state_eager": eager}))
+            runs[variant] = (time.perf_counter() - t0, [], [])
+            engines[variant].add_request("warm-up", [5], SamplingParams(max_tokens=1))  # a first forward's costs
+            drain(engines[variant])
+            paging[variant] = timed_page_ins(engines[variant])
+        for seq_id in branches:
+            for variant, engine in engines.items():
+                first_s, done_s = next_token(engine, seq_id)
+                runs[variant][1].append(first_s)
+                runs[variant][2].append(done_s)
+        del engines
 
         on_disk = dir_bytes(state / "cells")
         per_seq = (a.prefix_len + a.branch_len - 1) * cell_bytes  # one branch's cells, saved on its own
@@ -145,11 +159,14 @@ def main(argv: list[str] | None = None) -> int:
           f"branches of {a.branch_len} tokens (built and saved in {built_s:.1f} s)")
     print("restore of the family (engine build included), then TTFT of a one-token continuation of each branch:")
     rec = runs["recomputed"][1]
-    for name, (load_s, first_s, done_s) in runs.items():
-        print(f"  {name:10s}: restore {load_s:6.2f} s; TTFT first {first_s[0] * 1e3:8.1f} ms, mean "
+    for variant, (load_s, first_s, done_s) in runs.items():
+        print(f"  {variant:10s}: restore {load_s:6.2f} s; TTFT first {first_s[0] * 1e3:8.1f} ms, mean "
               f"{statistics.mean(first_s) * 1e3:8.1f} ms (with the write: mean {statistics.mean(done_s) * 1e3:8.1f} ms)"
-              + ("" if name == "recomputed" else f"; vs recomputed: first {rec[0] / first_s[0]:.1f}x, all "
+              + ("" if variant == "recomputed" else f"; vs recomputed: first {rec[0] / first_s[0]:.1f}x, all "
                  f"{sum(rec) / sum(first_s):.1f}x"))
+        if variant == "lazy":
+            print(f"  {'':10s}  of which loading cells from disk at admission: first {paging[variant][0] * 1e3:.1f} "
+                  f"ms, all {a.branches} {sum(paging[variant]) * 1e3:.1f} ms")
     print(f"cell files on disk: {on_disk / 2**20:.1f} MiB vs {a.branches} x one branch = "
           f"{a.branches * per_seq / 2**20:.1f} MiB ({on_disk / (a.branches * per_seq):.2f}x)")
     for eager, took in t_many.items():

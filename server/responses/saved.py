@@ -80,34 +80,37 @@ class ResponseFiles:
                 log.error("skipping %s: not a valid stored response (%s)", path, exc)
                 continue
             docs[doc["id"]] = doc
-        made: dict[str, Stored] = {}
+        made: dict[str, Stored | None] = {}
         for rid in docs:
-            self._build(rid, docs, made, [])
+            self._build(rid, docs, made)
         for rid in list(self.files):
             self._collect(rid)
         live = [rid for rid, f in self.files.items() if f.visible]
         return [made[rid] for rid in sorted(live, key=lambda r: docs[r]["saved"])]
 
-    def _build(self, rid: str, docs: dict, made: dict[str, Stored], path: list[str]) -> Stored | None:
-        if rid in made:
-            return made[rid]
-        doc = docs.get(rid)
-        if doc is None or rid in path:
-            return None
-        parent = None
-        if doc["parent"] is not None:
-            parent = self._build(doc["parent"], docs, made, path + [rid])
-            if parent is None:
+    def _build(self, rid: str, docs: dict, made: dict[str, Stored | None]) -> None:
+        """`made[rid]`: the response with its parents linked (built first, walking up iteratively: a chain of
+        turns may be long), or None when a parent is missing (its history is lost: skipped, logged)."""
+        chain, node = [], rid
+        while node is not None and node not in made:
+            if node not in docs or node in chain:
                 log.error("skipping stored response %s: its parent %s is missing (its history is lost)",
-                          rid, doc["parent"])
-                return None
-        try:
-            made[rid] = _stored(doc, parent)
-        except ValueError as exc:  # its tools do not validate
-            log.error("skipping stored response %s: %s", rid, exc)
-            return None
-        self._note(rid, doc["parent"], doc["stored"])
-        return made[rid]
+                          chain[-1], node)
+                made.update(dict.fromkeys(chain))
+                return
+            chain.append(node)
+            node = docs[node]["parent"]
+        parent = made[node] if node is not None else None
+        for one in reversed(chain):
+            doc = docs[one]
+            try:
+                parent = _stored(doc, parent) if parent is not None or doc["parent"] is None else None
+            except ValueError as exc:  # its tools do not validate
+                log.error("skipping stored response %s: %s", one, exc)
+                parent = None
+            made[one] = parent
+            if parent is not None:
+                self._note(one, doc["parent"], doc["stored"])
 
     # ----- changes -----------------------------------------------------------------------------
     def write(self, rec: Stored) -> None:

@@ -11,7 +11,7 @@ from http_support import LiveServer
 
 from engine.api.ids import new_id
 from server.openai.constraints import Tool
-from server.responses.saved import ResponseFiles
+from server.responses.saved import ResponseFiles, _doc
 from server.responses.store import ResponseStore, Stored
 from server.responses.toolcalls import Prompting
 
@@ -92,3 +92,16 @@ def test_files_keep_history_parents_and_skip_bad_records(tmp_path, caplog):
     again.forget_sequence(c.seq_id)
     assert {p.name for p in (tmp_path / "responses").iterdir()} == set(bad)  # a went with its last descendant
     assert ResponseStore(2, ResponseFiles(tmp_path)).by_id == {}
+
+
+def test_a_long_chain_of_turns_loads_without_recursion(tmp_path):
+    node = None
+    for _ in range(3000):  # deeper than Python's recursion limit
+        node = _stored(node, "seq-" + "a" * 32)
+    docs, rec = {}, node
+    while rec is not None:
+        docs[rec.id] = _doc(rec, visible=rec is node)
+        rec = rec.parent
+    made = {}
+    ResponseFiles(tmp_path)._build(node.id, docs, made)
+    assert len(made[node.id].history()) == 2 * 3000 and made[node.id].history() == node.history()

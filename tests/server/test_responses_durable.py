@@ -60,6 +60,20 @@ def test_stored_responses_continue_after_a_restart(model_dir, tmp_path):
     assert list((state / "responses").iterdir()) == []  # r1 went with its last descendant
 
 
+def test_a_tip_whose_sequence_went_on_is_forked_not_appended(model_dir):
+    """The sequence grew past its tip response (a turn a restart cut short, or a client continuing the sequence
+    itself): continuing the response forks at its length, so the model sees exactly its conversation."""
+    with LiveServer(model_dir, n_cells=1024) as srv, srv.client() as c:
+        client = _client(srv)
+        r = client.responses.create(model="m", input="Hello there", **GREEDY)
+        expected = client.responses.create(model="m", input="Next", previous_response_id=r.id, store=False, **GREEDY)
+        seq = srv.app.state.response_store.by_id[r.id].seq_id
+        c.post(f"/v1/sequences/{seq}/completions", json={"max_tokens": 3, "temperature": 0}).raise_for_status()
+        got = client.responses.create(model="m", input="Next", previous_response_id=r.id, **GREEDY)
+        assert got.output_text == expected.output_text
+        assert srv.app.state.response_store.by_id[got.id].seq_id != seq
+
+
 def _stored(parent: Stored | None = None, seq_id: str | None = None, tools: Prompting | None = None) -> Stored:
     rid = new_id("resp")
     return Stored(rid, seq_id or new_id("seq"), 10 + (parent.length if parent else 0), parent, "be brief", tools,

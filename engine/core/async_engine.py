@@ -216,10 +216,14 @@ class AsyncEngine:
         """A portable archive of the sequence (or its whole fork family): one safetensors file."""
         return await self._call(lambda: self.engine.export_sequences(seq_id, family), check_accepting=False)
 
-    async def import_sequences(self, blob: bytes) -> list[SequenceInfo]:
-        """An archive's sequences as new sequences here (same model only); deleted again if the caller leaves."""
-        return await self._call(lambda: [self.engine.sequence_info(i) for i in self.engine.import_sequences(blob)],
-                                undo=lambda infos: [self._delete_quietly(i.seq_id) for i in infos])
+    async def import_sequences(self, blob: bytes, new_ids: bool = False) -> dict[str, SequenceInfo]:
+        """An archive's sequences as new sequences here (same model only), {archive id: the sequence here};
+        `new_ids`: all under ids made here. Deleted again if the caller leaves."""
+        def work() -> dict[str, SequenceInfo]:
+            made = self.engine.import_sequences(blob, new_ids)
+            return {old: self.engine.sequence_info(new) for old, new in made.items()}
+
+        return await self._call(work, undo=lambda infos: [self._delete_quietly(i.seq_id) for i in infos.values()])
 
     async def cached_prefix_cells(self) -> int:
         """Cells held only by cached prefixes (evictable on demand), counted on the loop thread."""

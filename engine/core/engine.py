@@ -174,9 +174,10 @@ class Engine:
         """A portable archive (safetensors) of the sequence, or of its whole fork family."""
         return self.persistent.export(seq_id, family)
 
-    def import_sequences(self, blob: bytes) -> list[str]:
-        """An archive's sequences as new persistent sequences here (same model only); their ids."""
-        return self.persistent.import_archive(blob, self.vocab_size)
+    def import_sequences(self, blob: bytes, new_ids: bool = False) -> dict[str, str]:
+        """An archive's sequences as new persistent sequences here (same model only): {archive id: id here}.
+        With `new_ids` every one gets an id made here (a scale-out move: the id must name this replica)."""
+        return self.persistent.import_archive(blob, self.vocab_size, new_ids)
 
     def expire_idle(self, now: float | None = None) -> list[str]:
         """Delete persistent sequences idle for longer than the TTL; return their ids."""

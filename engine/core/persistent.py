@@ -146,20 +146,21 @@ class SequenceTable:
         saved, read = (self.store.records, self.store.cells.read) if self.store else ({}, None)
         return export_archive(self.identity(), seqs, self.scheduler, saved, read)
 
-    def import_archive(self, blob: bytes, vocab_size: int) -> list[str]:
-        """The archive's sequences as new sequences here: each keeps its id when that is free (else a new one;
-        forks follow their parent's), its cells loaded into the pool; returns the ids, oldest first."""
+    def import_archive(self, blob: bytes, vocab_size: int, new_ids: bool = False) -> dict[str, str]:
+        """The archive's sequences as new sequences here: each keeps its id when that is free (else, or always
+        with `new_ids`, a new one made here; forks follow their parent's), its cells loaded into the pool;
+        returns {archive id: id here}, oldest first."""
         records, tensors = read_archive(self.identity(), blob)
         bad = [r.seq_id for r in records if max(r.token_ids) >= vocab_size]
         if bad:
             raise InvalidRequest(f"sequence {bad[0]} holds token ids outside this model's vocabulary", "archive")
-        ids = {r.seq_id: r.seq_id if r.seq_id not in self.by_id else new_id("seq") for r in records}
-        made = []
+        ids = {r.seq_id: r.seq_id if r.seq_id not in self.by_id and not new_ids else new_id("seq") for r in records}
+        made = {}
         for rec in records:
             seq = self._adopt(rec, ids[rec.seq_id], ids.get(rec.parent))
             restore_cells(seq, rec, self.scheduler, lambda key: (tensors[f"{key}.k"], tensors[f"{key}.v"]))
             self._write(seq)
-            made.append(seq.seq_id)
+            made[rec.seq_id] = seq.seq_id
         return made
 
     def _adopt(self, rec: SequenceRecord, seq_id: str, parent: str | None) -> Sequence:

@@ -132,13 +132,15 @@ async def export_sequence(seq_id: str, request: Request, family: bool = False) -
 
 
 @router.post("/v1/sequences/import")
-async def import_sequences(request: Request) -> dict:
+async def import_sequences(request: Request, new_ids: bool = False) -> dict:
     """The archive in the body becomes sequences here (same model only, else 409): each keeps its id when it
-    is free here, else gets a new one (forks follow their parent's); answers the sequences, oldest first."""
+    is free here, else (or always, with ?new_ids=true) gets a new one (forks follow their parent's); answers
+    the sequences, oldest first, and `ids`: {archive id: id here}."""
     engine = ServerContext.of(request).require_engine()
     blob = await request.body()
-    infos = await engine.import_sequences(blob)
-    return {"object": "list", "data": [sequence_view(i) for i in infos]}
+    infos = await engine.import_sequences(blob, new_ids)
+    return {"object": "list", "data": [sequence_view(i) for i in infos.values()],
+            "ids": {old: info.seq_id for old, info in infos.items()}}
 
 
 @router.delete("/v1/sequences/{seq_id}")

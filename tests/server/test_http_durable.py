@@ -64,6 +64,10 @@ def test_restart_save_export_import(model_dir, long_model_dir, tmp_path):
         assert {s["id"] for s in imported} == set(ids.values())  # free here: the same ids
         assert c.post(f"/v1/sequences/{ids['root']}/save").status_code == 400  # nowhere to save to
         assert c.post("/v1/sequences/import", content=b"not an archive").status_code == 409
+        for seq_id in ids.values():  # free again, yet ?new_ids=true mints ids here (a scale-out move)
+            c.delete(f"/v1/sequences/{seq_id}")
+        fresh = c.post("/v1/sequences/import?new_ids=true", content=archive.content).json()["ids"]
+        assert set(fresh) == set(ids.values()) and not set(fresh.values()) & set(ids.values())  # minted here
     with LiveServer(long_model_dir, n_cells=1024) as srv, srv.client() as c:  # another model (its config differs)
         refused = c.post("/v1/sequences/import", content=archive.content)
         assert refused.status_code == 409 and "another model" in refused.json()["error"]["message"]

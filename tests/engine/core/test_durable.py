@@ -141,9 +141,9 @@ def test_export_import_moves_a_family(model, saved, tmp_path):
     before, ids, _ = saved
     blob = before.export_sequences(ids["mid"], family=True)
     elsewhere = make_engine(model=model, n_cells=N_CELLS)  # no state dir: archives need none
-    made = elsewhere.import_sequences(blob)
+    made = list(elsewhere.import_sequences(blob).values())
     assert set(made) == set(before.sequences)  # the ids were free here: kept
-    again = elsewhere.import_sequences(blob)  # taken now: new ids, forks follow their parent's
+    again = list(elsewhere.import_sequences(blob).values())  # taken now: new ids, forks follow their parent's
     assert not set(again) & set(made)
     for seq_id in made:
         assert elsewhere.sequence_info(seq_id).n_cached == len(before.sequences[seq_id].token_ids) - 1

@@ -18,11 +18,11 @@ Guarantees:
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine.api.files import TMP_SUFFIX, write_atomic
 from engine.api.ids import is_valid_id
 from server.openai.constraints import Tool
 from server.responses.store import Stored
@@ -30,21 +30,6 @@ from server.responses.toolcalls import Prompting
 
 log = logging.getLogger("cellserve.server")
 VERSION = 1
-TMP_SUFFIX = ".tmp"
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """`path` holds `data`, or its old content if anything fails (the OSError is raised)."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}{TMP_SUFFIX}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 class BadRecord(ValueError):

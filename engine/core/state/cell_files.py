@@ -20,8 +20,8 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save as st_save
 
 from engine.api.errors import IncompatibleState
+from engine.api.files import TMP_SUFFIX, write_atomic
 from engine.core.state.identity import ModelIdentity
-from engine.core.state.sequence_files import TMP_SUFFIX, write_atomic
 
 log = logging.getLogger("cellserve.state")
 CHUNK = 64  # tokens per chunk file: a family's branches differ in at most their last chunk of the prefix

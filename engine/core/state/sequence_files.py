@@ -8,27 +8,12 @@ small, replaced whole, and needs no compaction or replay; the folder listing is 
 """
 
 import logging
-import os
 from pathlib import Path
 
+from engine.api.files import TMP_SUFFIX, write_atomic
 from engine.core.state.records import BadRecord, SequenceRecord
 
 log = logging.getLogger("cellserve.state")
-TMP_SUFFIX = ".tmp"
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    """`path` holds `data` or its old content, whatever happens; raises OSError (ENOSPC...) leaving it old."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}{TMP_SUFFIX}")
-    try:
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 class SequenceFiles:

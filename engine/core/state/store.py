@@ -22,10 +22,11 @@ import time
 from pathlib import Path
 
 from engine.api.errors import IncompatibleState, StorageFull
+from engine.api.files import write_atomic
 from engine.core.state.cell_files import CellFiles, chunk_bounds, chunk_spans, saved_prefix
 from engine.core.state.identity import ModelIdentity
 from engine.core.state.records import SequenceRecord
-from engine.core.state.sequence_files import SequenceFiles, write_atomic
+from engine.core.state.sequence_files import SequenceFiles
 
 log = logging.getLogger("cellserve.state")
 

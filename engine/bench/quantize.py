@@ -86,7 +86,8 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--paths must include float32, the base of the ratios")
     print("command:", shlex.join([sys.executable, "-m", "engine.bench.quantize", *(argv or sys.argv[1:])]))
     print("machine:", machine(), "| load average", _load_avg(), flush=True)
-    mem = {} if args.no_rss else {q: _memory(args, q) for q in paths}
+    if not args.no_rss:
+        _print_memory({q: _memory(args, q) for q in paths})
     runners = {q: load(args.model, q) for q in paths}
     vocab = runners["float32"].config.vocab_size
     loads = {"1 seq": prompts_for(1, 64, seed=1, vocab_size=vocab),
@@ -103,15 +104,17 @@ def main(argv: list[str] | None = None) -> int:
     for q in paths:
         print(f"{q:9} " + " ".join(f"{best[(q, n)]:14.1f} {best[(q, n)] / best[('float32', n)]:5.2f}"
                                    for n in loads))
-    if mem:
-        print(f"\n{'path':9} {'linears MB':>10} {'x':>6} {'weights MB':>10} {'x':>6} {'peak RSS MB':>11} {'x':>6}"
-              f"   (one process per path, {N_CELLS} cells)")
-        base = mem["float32"]
-        for q, m in mem.items():
-            print(f"{q:9} " + " ".join(f"{m[k] / 1e6:{w}.1f} {m[k] / base[k]:6.3f}"
-                                       for k, w in (("linears", 10), ("weights", 10), ("peak_rss", 11))))
     print("load average after:", _load_avg())
     return 0
+
+
+def _print_memory(mem: dict) -> None:
+    print(f"\n{'path':9} {'linears MB':>10} {'x':>6} {'weights MB':>10} {'x':>6} {'peak RSS MB':>11} {'x':>6}"
+          f"   (one process per path, {N_CELLS} cells, after one 8-sequence round)", flush=True)
+    base = mem["float32"]
+    for q, m in mem.items():
+        print(f"{q:9} " + " ".join(f"{m[k] / 1e6:{w}.1f} {m[k] / base[k]:6.3f}"
+                                   for k, w in (("linears", 10), ("weights", 10), ("peak_rss", 11))), flush=True)
 
 
 def _memory(args, path: str) -> dict:

@@ -18,10 +18,13 @@ tests check it bit for bit); d and m are stored as fp16, q is computed with the 
         w = d q + m.  |x - w| <= d/2 + 15 |d - fp16(d)| + |m - fp16(m)|.       0.625 bytes a weight
   (Q4_0, the other 4-bit format: d = x_amax / -8 with x_amax the signed value of largest magnitude,
    q = trunc(x / d + 8.5) clamped to [0, 15], w = d (q - 8); the value opposite x_amax lands on q = 16
-   and is clamped, an error of a whole |d|. Q4_1's min/max grid has the lower error on every model
-   measured (relative RMS error 9.4% vs 10.9% on the bundled model's linears, logits and perplexity
-   likewise: docs/performance.md), for 11% more bytes, so int4 is Q4_1.)
-A matrix whose input size is not a multiple of 32 stays float (logged once per load).
+   and is clamped, an error of a whole |d|. On the bundled model's linears Q4_1's relative RMS error is
+   7.8% against Q4_0's 8.6%, and its perplexity on held-out text +0.07% against +0.26% (head Q8_0), for
+   11% more bytes (0.625 against 0.5625 a weight), so int4 is Q4_1: docs/performance.md.)
+The LM head is Q8_0 in both modes (`HEAD_FORMAT`): in 4 bits it cost the bundled model +0.40% perplexity
+(Q4_1) against +0.07% in Q8_0 and +0.09% kept float32, and SmolLM2 +5.4% against +0.5%.
+A matrix whose input size is not a multiple of 32 stays float (logged once per load): a layer's in
+bfloat16, the head as the embedding.
 
 Per-block rounding only: no calibration data, no error feedback. The quantized weights differ from the
 float ones by the bounds above, and with the kernels' per-32 int8 rounding of the activations (engine/
@@ -137,31 +140,40 @@ def _float_dtype(dtype, stored: torch.dtype) -> torch.dtype:
     return torch.float32 if name == "float32" else torch.bfloat16
 
 
+def _tensors(path: Path):
+    """(name, tensor) of the Llama-family parameters in one safetensors file, one at a time; the file is
+    mapped only while one tensor is read, so its pages do not stay resident (a float copy of the model
+    in RSS) while the rest are quantized."""
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        names = [n for n in f.keys() if gguf_name(n) is not None]  # noqa: SIM118 (safe_open is not iterable)
+    for hf_name in names:
+        with safe_open(path, framework="pt") as f:
+            yield hf_name, f.get_tensor(hf_name)
+
+
 def read_quantized(folder: str | Path, mode: str, dtype="auto", *, head: str | None = HEAD_FORMAT) -> dict:
     """The folder's Llama-family tensors by llama.cpp name: the linears as `QuantWeight`s of
     `FORMATS[mode]`, the LM head in the block kind `head` (None: float), norms and biases in float32,
     the embedding (and a float head) in `_float_dtype(dtype)`."""
-    from safetensors import safe_open
-
     out: dict = {}
     kept_float: list[str] = []
     for path in _safetensors_files(Path(folder)):
-        with safe_open(path, framework="pt") as f:
-            for hf_name in f.keys():  # noqa: SIM118 (safe_open is not iterable)
-                name = gguf_name(hf_name)
-                if name is None:
-                    continue
-                t = f.get_tensor(hf_name)
-                kind = FORMATS[mode] if name.split(".")[-2] in LINEARS else head if name == "output.weight" else None
-                quantize = kind is not None and name.endswith(".weight")
-                if quantize and t.shape[1] % GROUP == 0:
-                    out[name] = quantize_weight(t, kind)
-                elif t.dim() == 1:
-                    out[name] = t.float()
-                else:
-                    if quantize:
-                        kept_float.append(name)
-                    out[name] = t.to(_float_dtype(dtype, t.dtype)).contiguous()
+        for hf_name, t in _tensors(path):
+            name = gguf_name(hf_name)
+            kind = FORMATS[mode] if name.split(".")[-2] in LINEARS else head if name == "output.weight" else None
+            quantize = kind is not None and name.endswith(".weight")
+            if quantize and t.shape[1] % GROUP == 0:
+                out[name] = quantize_weight(t, kind)
+            elif t.dim() == 1:  # copies, never views of the file's mapping
+                out[name] = t.to(torch.float32, copy=True)
+            elif quantize and name != "output.weight":  # a layer's linear left float: bf16 (CastLinear)
+                kept_float.append(name)
+                out[name] = t.to(torch.bfloat16, copy=True)
+            else:
+                kept_float += [name] if quantize else []
+                out[name] = t.to(_float_dtype(dtype, t.dtype), copy=True)
     if kept_float:
         log.warning("%s: %d matrices have an input size that is not a multiple of %d and stay float (%s, ...)",
                     folder, len(kept_float), GROUP, kept_float[0])

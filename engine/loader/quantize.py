@@ -31,6 +31,7 @@ float ones by the bounds above, and with the kernels' per-32 int8 rounding of th
 model/native/quant.py) the logits move by the amounts docs/performance.md and the tests state.
 """
 
+import hashlib
 import json
 import logging
 import re
@@ -189,6 +190,17 @@ def _tie(tensors: dict, config, head: str | None) -> None:
         tensors["token_embd.weight"] = quantize_weight(embed, head)
 
 
+def fingerprint(tensors: dict) -> str:
+    """A hash of an evenly strided sample (<= 4,096 values) of every tensor, the blocks' scales for a
+    `QuantWeight`: milliseconds, and different for any other weights."""
+    h = hashlib.sha256()
+    for name in sorted(tensors):
+        t = tensors[name].d if isinstance(tensors[name], QuantWeight) else tensors[name]
+        flat = t.reshape(-1)
+        h.update(name.encode() + flat[:: max(1, flat.numel() // 4096)].contiguous().view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
 def load_quantized_folder(folder: str | Path, mode: str, dtype="auto", *, check=None,
                           head: str | None = HEAD_FORMAT):
     """(model skeleton, tokenizer, tensors) of a Hugging Face folder, quantized to `mode` ("int8", "int4").
@@ -196,7 +208,8 @@ def load_quantized_folder(folder: str | Path, mode: str, dtype="auto", *, check=
     `check(skeleton)` returns why the native forward cannot run this model (None when it can); it is
     asked before any weight is read, so an unsupported model fails fast with that reason. `head`: the
     LM head's block kind (None keeps it, and a tied embedding, float). The skeleton's config records the format, so saved
-    cells (engine/core/state) of one mode are never restored into another."""
+    cells (engine/core/state) of one mode or of other weights are never restored into this model (its
+    parameters are placeholders, so the identity's sample of them says nothing)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     if mode not in FORMATS:
@@ -216,7 +229,8 @@ def load_quantized_folder(folder: str | Path, mode: str, dtype="auto", *, check=
     if missing:
         raise ModelSourceError(f"{folder}: its safetensors have no {missing[0]}; --quantize reads Llama-family "
                                f"checkpoints under transformers' names")
-    model.config.cellserve_quantize = f"{FORMATS[mode]}, head {head or 'float'}"
+    model.config.cellserve_quantize = {"linears": FORMATS[mode], "head": head or "float",
+                                       "fingerprint": fingerprint(tensors)}
     if (folder / "generation_config.json").is_file():  # its EOS ids, as from_pretrained would read them
         model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)
     tokenizer = AutoTokenizer.from_pretrained(folder, local_files_only=True)

@@ -240,3 +240,18 @@ def test_matrices_whose_input_size_is_not_a_multiple_of_32_stay_float(tmp_path, 
     assert isinstance(layer.down, QuantLinear) and not isinstance(layer.qkv, QuantLinear)
     ids = list(range(5, 25))
     torch.testing.assert_close(runner.run({0: (ids, 0)})[0], full_logits(model, ids)[-1], atol=0.01, rtol=0)
+
+
+def test_saved_cells_are_bound_to_the_mode_and_the_weights(model_dir, tmp_path):
+    """The skeleton's parameters are placeholders, so the durable state's identity (engine/core/state)
+    learns the format and a fingerprint of the blocks from the config."""
+    from tiny_models import save_tiny_model_dir
+
+    from engine.core.state.identity import identity_of
+
+    other = save_tiny_model_dir(tmp_path / "seed1", seed=1)  # same config, other weights
+    ids = {identity_of(ModelRunner.from_pretrained(d, quantize=m, n_cells=16)).weights
+           for d, m in ((model_dir, "int8"), (model_dir, "int4"), (other, "int8"))}
+    assert len(ids) == 3
+    again = identity_of(ModelRunner.from_pretrained(model_dir, quantize="int8", n_cells=16)).weights
+    assert again in ids

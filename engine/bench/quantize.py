@@ -1,6 +1,7 @@
 """`--quantize int8` / `int4` against float32 and bfloat16 of the same float folder, in one run.
 
     python -m engine.bench.quantize [--model smollm2-135m-instruct] [--threads 2] [--repeats 3]
+    python -m engine.bench.quantize --perplexity TEXT [--tokens 1000] [--rows 8] [--model ...]
 
 `--model`: a float Hugging Face folder, or a known model name (its GGUF dequantized to a float32 folder
 once: `cellserve pull NAME --dtype float32`). Paths: `float32` (the folder as saved), `bfloat16` (cast at
@@ -12,13 +13,19 @@ decoding and prefix caching off. Then bytes: the decoder linears' (q/k/v/o, gate
 the float weights at 4 or 2 bytes each), everything the native forward holds (`quant.weight_bytes`: float
 paths keep their weights plus oneDNN's packed copy) and the peak RSS of a fresh process that loads only
 that path and runs one 8-sequence round (`--rss-only`). Ratios against float32 in the same run.
+
+`--perplexity TEXT`: instead, the perplexity of the first `--tokens` tokens of the file TEXT (in windows of
+at most 500) through the engine (prompt logprobs, `--rows` prompt rows a step) for float32 and for each
+(linears, head) pair of block formats in `VARIANTS`: how int4's format and the head's were chosen.
 """
 
 import argparse
 import json
+import math
 import shlex
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
@@ -32,6 +39,9 @@ from engine.model.runner import ModelRunner
 PATHS = {"float32": ("float32", "none"), "bfloat16": ("bfloat16", "none"), "int8": ("float32", "int8"),
          "int4": ("float32", "int4")}  # path -> (dtype, quantize)
 N_CELLS = 2048
+# (linears, LM head) block formats the perplexity comparison runs; None: float32
+VARIANTS = (("q8_0", "q8_0"), ("q8_0", None), ("q4_1", "q8_0"), ("q4_1", "q4_1"), ("q4_1", None),
+            ("q4_0", "q8_0"), ("q4_0", "q4_0"))
 
 
 def load(model: str, path: str) -> ModelRunner:
@@ -62,6 +72,33 @@ def rss_only(model: str, path: str, max_tokens: int) -> None:
                       "peak_rss": kb * 1024}))
 
 
+def perplexity(runner: ModelRunner, ids: list[int], rows: int) -> float:
+    from engine.api.sampling_params import SamplingParams
+    from engine.core.llm import LLM
+
+    llm = LLM(None, runner=runner, max_num_batched_tokens=rows, prefix_caching=False, speculative="off")
+    windows = [ids[i:i + 500] for i in range(0, len(ids), 500)]
+    outs = llm.generate(windows, SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0), use_tqdm=False)
+    logprobs = [lp for out in outs for lp in out.prompt_logprobs.logprobs[1:]]
+    return math.exp(-sum(logprobs) / len(logprobs))
+
+
+def compare_formats(model: str, text: str, tokens: int, rows: int) -> None:
+    from engine.loader.quantize import load_quantized_folder
+    from engine.model.native.model import native_unsupported
+
+    folder = resolve_model(model, "float32", progress=False).path
+    base = ModelRunner.from_pretrained(folder, dtype="float32", n_cells=1024)
+    ids = base.tokenizer(Path(text).read_text())["input_ids"][:tokens]
+    f32 = perplexity(base, ids, rows)
+    print(f"{model}: {len(ids)} tokens of {text}, {rows} rows a step; float32 perplexity {f32:.4f}")
+    for linears, head in VARIANTS:
+        skeleton, tok, tensors = load_quantized_folder(folder, "int8", "float32", check=native_unsupported,
+                                                       head=head, linears=linears)
+        p = perplexity(ModelRunner(skeleton, tok, tensors=tensors, n_cells=1024), ids, rows)
+        print(f"linears {linears}, head {head or 'float32'}: {p:.4f} ({(p / f32 - 1) * 100:+.2f}%)", flush=True)
+
+
 def _load_avg() -> str:
     return " ".join(f"{v:.2f}" for v in machine_info()["load_average"] or ())
 
@@ -76,8 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--paths", default=",".join(PATHS), help=f"a subset of {','.join(PATHS)} (float32 is the base)")
     p.add_argument("--no-rss", action="store_true", help="skip the one-process-per-path memory measurement")
     p.add_argument("--rss-only", choices=list(PATHS), help=argparse.SUPPRESS)
+    p.add_argument("--perplexity", metavar="TEXT", help="compare block formats' perplexity on this text file")
+    p.add_argument("--tokens", type=int, default=1000)
+    p.add_argument("--rows", type=int, default=8, help="prompt rows a step (--perplexity)")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
+    if args.perplexity:
+        compare_formats(args.model, args.perplexity, args.tokens, args.rows)
+        return 0
     if args.rss_only:
         rss_only(args.model, args.rss_only, args.max_tokens)
         return 0

@@ -19,10 +19,11 @@ tests check it bit for bit); d and m are stored as fp16, q is computed with the 
   (Q4_0, the other 4-bit format: d = x_amax / -8 with x_amax the signed value of largest magnitude,
    q = trunc(x / d + 8.5) clamped to [0, 15], w = d (q - 8); the value opposite x_amax lands on q = 16
    and is clamped, an error of a whole |d|. On the bundled model's linears Q4_1's relative RMS error is
-   7.8% against Q4_0's 8.6%, and its perplexity on held-out text +0.07% against +0.26% (head Q8_0), for
+   7.8% against Q4_0's 8.6%, and its perplexity on held-out text +0.08% against +0.24% (head Q8_0), for
    11% more bytes (0.625 against 0.5625 a weight), so int4 is Q4_1: docs/performance.md.)
-The LM head is Q8_0 in both modes (`HEAD_FORMAT`): in 4 bits it cost the bundled model +0.40% perplexity
-(Q4_1) against +0.07% in Q8_0 and +0.09% kept float32, and SmolLM2 +5.4% against +0.5%.
+The LM head is Q8_0 in both modes (`HEAD_FORMAT`): in 4 bits it cost the bundled model +0.41% perplexity
+(Q4_1) against +0.08% in Q8_0 and +0.09% kept float32, and SmolLM2 +5.4% against +0.5%
+(`python -m engine.bench.quantize --perplexity`).
 A matrix whose input size is not a multiple of 32 stays float (logged once per load): a layer's in
 bfloat16, the head as the embedding.
 
@@ -154,16 +155,18 @@ def _tensors(path: Path):
             yield hf_name, f.get_tensor(hf_name)
 
 
-def read_quantized(folder: str | Path, mode: str, dtype="auto", *, head: str | None = HEAD_FORMAT) -> dict:
+def read_quantized(folder: str | Path, mode: str, dtype="auto", *, head: str | None = HEAD_FORMAT,
+                   linears: str | None = None) -> dict:
     """The folder's Llama-family tensors by llama.cpp name: the linears as `QuantWeight`s of
-    `FORMATS[mode]`, the LM head in the block kind `head` (None: float), norms and biases in float32,
-    the embedding (and a float head) in `_float_dtype(dtype)`."""
+    `FORMATS[mode]` (or the block kind `linears`), the LM head in the block kind `head` (None: float),
+    norms and biases in float32, the embedding (and a float head) in `_float_dtype(dtype)`."""
     out: dict = {}
     kept_float: list[str] = []
     for path in _safetensors_files(Path(folder)):
         for hf_name, t in _tensors(path):
             name = gguf_name(hf_name)
-            kind = FORMATS[mode] if name.split(".")[-2] in LINEARS else head if name == "output.weight" else None
+            kind = (linears or FORMATS[mode]) if name.split(".")[-2] in LINEARS else \
+                head if name == "output.weight" else None
             quantize = kind is not None and name.endswith(".weight")
             if quantize and t.shape[1] % GROUP == 0:
                 out[name] = quantize_weight(t, kind)
@@ -202,14 +205,16 @@ def fingerprint(tensors: dict) -> str:
 
 
 def load_quantized_folder(folder: str | Path, mode: str, dtype="auto", *, check=None,
-                          head: str | None = HEAD_FORMAT):
+                          head: str | None = HEAD_FORMAT, linears: str | None = None):
     """(model skeleton, tokenizer, tensors) of a Hugging Face folder, quantized to `mode` ("int8", "int4").
 
     `check(skeleton)` returns why the native forward cannot run this model (None when it can); it is
     asked before any weight is read, so an unsupported model fails fast with that reason. `head`: the
-    LM head's block kind (None keeps it, and a tied embedding, float). The skeleton's config records the format, so saved
-    cells (engine/core/state) of one mode or of other weights are never restored into this model (its
-    parameters are placeholders, so the identity's sample of them says nothing)."""
+    LM head's block kind (None keeps it, and a tied embedding, float); `linears`: the layers' block kind
+    instead of `FORMATS[mode]` (the benchmark's comparison of formats). The skeleton's config records
+    the formats and a fingerprint, so saved cells (engine/core/state) of one mode or of other weights are
+    never restored into this model (its parameters are placeholders: the identity's sample of them says
+    nothing)."""
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     if mode not in FORMATS:
@@ -223,13 +228,13 @@ def load_quantized_folder(folder: str | Path, mode: str, dtype="auto", *, check=
     if reason:
         raise ModelSourceError(f"--quantize {mode} runs on the native Llama-family forward, which cannot run "
                                f"{folder.name}: {reason}; serve it without --quantize")
-    tensors = read_quantized(folder, mode, dtype, head=head)
+    tensors = read_quantized(folder, mode, dtype, head=head, linears=linears)
     _tie(tensors, config, head)
     missing = [hf for hf, name in _REQUIRED.items() if name not in tensors]
     if missing:
         raise ModelSourceError(f"{folder}: its safetensors have no {missing[0]}; --quantize reads Llama-family "
                                f"checkpoints under transformers' names")
-    model.config.cellserve_quantize = {"linears": FORMATS[mode], "head": head or "float",
+    model.config.cellserve_quantize = {"linears": linears or FORMATS[mode], "head": head or "float",
                                        "fingerprint": fingerprint(tensors)}
     if (folder / "generation_config.json").is_file():  # its EOS ids, as from_pretrained would read them
         model.generation_config = GenerationConfig.from_pretrained(folder, local_files_only=True)

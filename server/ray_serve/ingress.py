@@ -6,7 +6,8 @@ replicas through Ray Serve deployment handles. It never parses a route's body be
 this app relays status, headers and body (SSE chunk by chunk). Each response says which replica
 answered (`X-Cellserve-Replica`) and why (`X-Cellserve-Route`: `affinity`, `prefix` or `least-loaded`,
 see `routing`). Aggregated routes: `/health`, `/v1/cache`, `DELETE /v1/cache/prefixes` (every replica), `/metrics`,
-`GET /v1/sequences` (`/v1/models`: any replica).
+`GET /v1/sequences` (`/v1/models`: any replica). Moves: `POST /v1/sequences/{id}/move` and
+`POST /v1/replicas/{name}/drain` (see `moves`).
 A stateless request a full replica refuses (`429`) is retried on the others first.
 
 Faults: a replica that does not accept a request within `ACCEPT_TIMEOUT_S` (dead, restarting), or
@@ -27,6 +28,7 @@ from server.errors import error_body
 from server.limits import Limits
 from server.metrics import CONTENT_TYPE
 from server.middleware import BodySizeLimit, HeadAsGet
+from server.ray_serve.moves import MoveFailed, Mover, replica_index
 from server.ray_serve.routing import (
     PREFIX_SLACK,
     LoadBoard,
@@ -259,6 +261,42 @@ def build_ingress_app(handles: list, limits: Limits) -> FastAPI:
         data = [dict(s, replica=name) for name, (status, body, _) in got.items() if status == 200
                 for s in json.loads(body)["data"]]
         return JSONResponse({"object": "list", "data": data})
+
+    def mover(request: Request) -> Mover:
+        rs = replicas(request)
+
+        async def send(i: int, method: str, path: str, query: bytes, body: bytes) -> tuple[int, bytes]:
+            try:
+                answer = await rs.call(i, method, path, query, fwd_headers(request), body)
+                return answer.status, await answer.read()
+            except ReplicaDown as exc:
+                return 503, json.dumps(error_body(503, str(exc), code="replica_unavailable")).encode()
+
+        return Mover(send, len(rs.handles))
+
+    @app.post("/v1/sequences/{seq_id}/move")
+    async def move(seq_id: str, request: Request) -> Response:
+        """Move the sequence's fork family to `{"replica": "rN"}` (see `moves`)."""
+        try:
+            body = json.loads(await request.body() or b"{}")
+            m = mover(request)
+            target = replica_index(body.get("replica") if isinstance(body, dict) else None, m.n)
+            ids = await m.move(seq_id, target)
+        except ValueError:
+            return JSONResponse(error_body(400, 'the body must be JSON: {"replica": "r1"}'), status_code=400)
+        except MoveFailed as exc:
+            return exc.response
+        return JSONResponse({"object": "sequence.moved", "replica": replica_name(target), "ids": ids},
+                            headers={"X-Cellserve-Replica": replica_name(target)})
+
+    @app.post("/v1/replicas/{name}/drain")
+    async def drain(name: str, request: Request) -> Response:
+        """Move every fork family off replica `name` to the others (see `moves`; the replica stays up)."""
+        m = mover(request)
+        try:
+            return JSONResponse(await m.drain(replica_index(name, m.n), replicas(request).board.load))
+        except MoveFailed as exc:
+            return exc.response
 
     @app.api_route("/{path:path}", methods=["GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS"])
     async def proxy(request: Request) -> Response:

@@ -25,6 +25,7 @@ from tiny_models import save_tiny_model_dir
 
 pytest.importorskip("ray.serve")
 
+from server.ray_serve.moves import family_of, roots
 from server.ray_serve.routing import merge_metrics, parse_id, routed_id
 
 LONG = 4000  # tokens: far more ticks than any mid-stream action needs
@@ -285,7 +286,8 @@ def test_killed_replica_fails_fast_restarts_and_says_so(url):
     assert tail[-1] == "data: [DONE]"
     err = json.loads(tail[-2][6:])["error"]
     assert err["code"] == "replica_unavailable" and "r1" in err["message"]
-    assert results["blocking"].status_code == 503 and "retry-after" in results["blocking"].headers
+    assert results["blocking"].status_code == 503 and "retry-after" in results["blocking"].headers, \
+        results["blocking"].text
     assert "r1" in results["blocking"].json()["error"]["message"]
 
     with client(url) as c:
@@ -335,3 +337,90 @@ def test_routing_helpers():
     assert merge_metrics(text).splitlines() == [
         "# HELP x_total X.", "# TYPE x_total counter", 'x_total{replica="r0",k="a"} 1.0',
         'x_total{replica="r1",k="a"} 3.0', "# TYPE y gauge", 'y{replica="r0"} 2.0', 'y{replica="r1"} 4.0']
+
+
+GREEDY = {"temperature": 0, "max_tokens": 4}
+
+
+def other_than(name: str) -> str:
+    return "r1" if name == "r0" else "r0"
+
+
+def test_move_a_family_to_another_replica(url):
+    """A parent and two continued forks move together: new ids route to the target, tokens are the same,
+    the cells came along (no re-prefill) and a greedy continuation is what it would have been unmoved."""
+    with client(url) as c:
+        parent = c.post("/v1/sequences", json={"prompt": "once upon a time"}).json()["id"]
+        source = replica_of(parent)
+        target = other_than(source)  # creates go least-loaded: move to whichever replica it is not on
+        c.post(f"/v1/sequences/{parent}/completions", json=GREEDY).raise_for_status()
+        forks = [c.post(f"/v1/sequences/{parent}/fork", json={}).json()["id"] for _ in range(2)]
+        for k, fork in enumerate(forks):
+            c.post(f"/v1/sequences/{fork}/completions", json={**GREEDY, "prompt": f" and {k}"}).raise_for_status()
+        family = [parent, *forks]
+        before = {s: c.get(f"/v1/sequences/{s}").json()["token_ids"] for s in family}
+        probe = c.post(f"/v1/sequences/{forks[1]}/fork", json={}).json()["id"]  # the unmoved oracle
+        oracle = c.post(f"/v1/sequences/{probe}/completions", json=GREEDY).json()
+        expected = oracle["choices"][0]["text"]
+        c.delete(f"/v1/sequences/{probe}").raise_for_status()
+
+        assert c.post(f"/v1/sequences/{parent}/move", json={"replica": "r9"}).status_code == 400
+        assert c.post(f"/v1/sequences/{parent}/move", json={"replica": source}).status_code == 400  # already there
+        assert c.post(f"/v1/sequences/seq-{source}-00000000-{'0' * 32}/move", json={"replica": target}).status_code == 404
+        moved = c.post(f"/v1/sequences/{forks[0]}/move", json={"replica": target})
+        assert moved.status_code == 200, moved.text
+        body = moved.json()
+        assert body["object"] == "sequence.moved" and body["replica"] == target and set(body["ids"]) == set(family)
+        for old, new in body["ids"].items():
+            assert c.get(f"/v1/sequences/{old}").status_code == 404
+            got = c.get(f"/v1/sequences/{new}")
+            assert got.headers["x-cellserve-replica"] == target and replica_of(new) == target
+            view = got.json()
+            assert view["token_ids"] == before[old]
+            # the cells came along: the whole history is cached before anything ran there (no re-prefill)
+            assert view["cells"]["cached_tokens"] == len(before[old]) - 1
+        assert c.get(f"/v1/sequences/{body['ids'][forks[0]]}").json()["parent"] == body["ids"][parent]
+        branch = body["ids"][forks[1]]
+        after = c.post(f"/v1/sequences/{branch}/completions", json=GREEDY).json()
+        assert after["choices"][0]["text"] == expected
+        assert after["usage"] == oracle["usage"]
+
+        busy = c.post("/v1/sequences", json={"prompt": "busy"}).json()["id"]
+        run = threading.Thread(target=lambda: client(url).post(
+            f"/v1/sequences/{busy}/completions", json={"max_tokens": LONG, "ignore_eos": True}))
+        run.start()
+        deadline = time.monotonic() + 30
+        while c.get(f"/v1/sequences/{busy}").json()["status"] == "idle" and time.monotonic() < deadline:
+            time.sleep(0.05)
+        refused = c.post(f"/v1/sequences/{busy}/move", json={"replica": other_than(replica_of(busy))})
+        assert refused.status_code == 409 and "generating" in refused.json()["error"]["message"]
+        assert c.get(f"/v1/sequences/{busy}").status_code == 200
+        c.delete(f"/v1/sequences/{busy}")  # cancels the generation
+        run.join(30)
+
+
+def test_drain_moves_every_family_off_a_replica(url):
+    with client(url) as c:
+        mine = c.post("/v1/sequences", json={"prompt": "drain me"}).json()["id"]
+        fork = c.post(f"/v1/sequences/{mine}/fork", json={}).json()["id"]
+        name = replica_of(mine)
+        held = [s["id"] for s in c.get("/v1/sequences").json()["data"] if s["replica"] == name]
+        started = time.monotonic()
+        drained = c.post(f"/v1/replicas/{name}/drain")
+        took = time.monotonic() - started
+        assert drained.status_code == 200, drained.text
+        body = drained.json()
+        assert body["object"] == "replica.drained" and body["not_moved"] == {}
+        assert set(body["ids"]) == set(held) >= {mine, fork}, (len(held), took)
+        listed = c.get("/v1/sequences").json()["data"]
+        assert not [s for s in listed if s["replica"] == name]
+        assert {s["id"] for s in listed} >= set(body["ids"].values())
+        assert c.post("/v1/replicas/r7/drain").status_code == 400
+        assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
+
+
+def test_move_helpers():
+    listed = [{"id": "a", "parent": None, "created": 1}, {"id": "b", "parent": "a", "created": 2},
+              {"id": "c", "parent": "b", "created": 3}, {"id": "d", "parent": None, "created": 0}]
+    assert {s["id"] for s in family_of("c", listed)} == {"a", "b", "c"}
+    assert roots(listed) == ["d", "a"]

@@ -137,6 +137,7 @@ def main(argv: list[str] | None = None) -> int:
                     rate, _ = run(runners[path], prompts, max_tokens)
                     key = (threads, name, path)
                     results[key] = max(results.get(key, 0.0), rate)
+                    print(f"  {threads} threads, {path}, {name}: {rate:.1f} tok/s", flush=True)
     print(f"\nmodel {args.model}; decode: prompts of 64 tokens, {args.max_tokens} generated (greedy, EOS "
           f"ignored); prefill: prompt tok/s; best of {args.repeats}, paths alternating; x = against bfloat16 "
           "in this run")

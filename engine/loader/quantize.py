@@ -9,9 +9,10 @@ kept; the embedding, the norms and the biases stay float (the embedding in float
 checkpoint or `dtype` is bfloat16/float16), except that a tied embedding shares the quantized head's
 blocks (rows dequantized per lookup), as tied GGUF files do.
 
-Formats (`FORMATS`), per block of 32 consecutive weights x of one row, rounded as ggml's reference
-quantizers (ggml-quants.c `quantize_row_*_ref`; gguf-py's `quants.quantize` gives the same bytes, the
-tests check it bit for bit); d and m are stored as fp16, q is computed with the float32 d:
+Formats (`FORMATS`), per block of 32 consecutive weights x of one row, rounded by gguf-py's
+`quants.quantize` (numpy; the same bytes as ggml-quants.c's `quantize_row_*_ref`), then repacked for the
+kernels (`pack_blocks`); the tests check the bytes against these rules written out in torch. d and m are
+stored as fp16, q is computed with the float32 d:
   int8 -> Q8_0: d = max|x| / 127, q = roundf(x / d) (half away from zero) in [-127, 127], w = d q.
         |x - w| <= d/2 + 127 |d - fp16(d)|: about 0.53 d.                       1.0625 bytes a weight
   int4 -> Q4_1: d = (max x - min x) / 15, m = min x, q = trunc((x - m) / d + 0.5) clamped to [0, 15],
@@ -41,13 +42,14 @@ from pathlib import Path
 import torch
 
 from engine.api.errors import ModelSourceError
-from engine.loader.gguf_tensors import QuantWeight, placeholder_model
+from engine.loader.gguf_tensors import Q4_0, Q4_1, Q8_0, QuantWeight, pack_blocks, placeholder_model
 
 log = logging.getLogger("cellserve.quantize")
 
 GROUP = 32  # weights per block: one scale (and a minimum for Q4_1) per 32
 FORMATS = {"int8": "q8_0", "int4": "q4_1"}  # --quantize -> the block format the linears are stored in
 HEAD_FORMAT = "q8_0"  # the LM head's (and a tied embedding's), whichever the mode
+GGML_TYPES = {"q8_0": Q8_0, "q4_0": Q4_0, "q4_1": Q4_1}  # the block kinds quantize_weight makes
 CHUNK_ELEMENTS = 1 << 22  # rows quantized at once: at most ~16 MB of float32 temporaries per step
 
 # Hugging Face parameter names -> llama.cpp's (the names quant.layer_weights/model_weights read)
@@ -77,51 +79,23 @@ def gguf_name(hf_name: str) -> str | None:
     return f"blk.{i}.{_LAYER[module]}.{param}" if module in _LAYER and param in ("weight", "bias") else None
 
 
-def _roundf(v: torch.Tensor) -> torch.Tensor:
-    """C's roundf (half away from zero), exactly: floor(|v|) + floor(2 frac(|v|)), signed."""
-    a = v.abs()
-    f = a.floor()
-    return torch.sign(v) * (f + (2 * (a - f)).floor())
-
-
-def _inverse(d: torch.Tensor) -> torch.Tensor:
-    return torch.where(d == 0, torch.zeros_like(d), 1 / d)
-
-
-def _nibbles(q: torch.Tensor) -> torch.Tensor:
-    """[n, g, 32] values < 16 -> [n, g * 16] bytes: byte j = element j | element j + 16 << 4."""
-    return (q[..., :16] | (q[..., 16:] << 4)).reshape(q.shape[0], -1)
-
-
-def _blocks(x: torch.Tensor, kind: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """(qs, d, m) of float32 rows `x` [n, g, 32] in `kind` (the module docstring's rules)."""
-    n = x.shape[0]
-    if kind == "q8_0":
-        d = x.abs().amax(-1, keepdim=True) / 127
-        q = _roundf(x * _inverse(d))
-        return (q.to(torch.int16) + 128).to(torch.uint8).reshape(n, -1), d.half().reshape(n, -1), None
-    if kind == "q4_0":
-        d = x.gather(-1, x.abs().argmax(-1, keepdim=True)) / -8
-        q = torch.trunc(x * _inverse(d) + 8.5).clamp_(0, 15).to(torch.uint8)
-        return _nibbles(q), d.half().reshape(n, -1), None
-    if kind == "q4_1":
-        lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
-        d = (hi - lo) / 15
-        q = torch.trunc((x - lo) * _inverse(d) + 0.5).clamp_(0, 15).to(torch.uint8)
-        return _nibbles(q), d.half().reshape(n, -1), lo.half().reshape(n, -1)
-    raise ValueError(f"no quantizer for {kind!r}: use one of q8_0, q4_0, q4_1")
-
-
 def quantize_weight(w: torch.Tensor, kind: str) -> QuantWeight:
-    """A float [N, K] matrix (K a multiple of 32) as a `QuantWeight` of `kind` ("q8_0", "q4_0", "q4_1"),
-    quantized a chunk of rows at a time (float32 temporaries stay ~16 MB whatever the matrix)."""
+    """A float [N, K] matrix (K a multiple of 32) as a `QuantWeight` of `kind` ("q8_0", "q4_0", "q4_1"):
+    gguf-py's reference quantizer (numpy, the module docstring's rules) then the kernels' repacking
+    (`pack_blocks`), a chunk of rows at a time (float32 temporaries stay ~16 MB whatever the matrix)."""
+    from gguf import GGMLQuantizationType, quants
+
     n, k = w.shape
+    if kind not in GGML_TYPES:
+        raise ValueError(f"no quantizer for {kind!r}: use one of {', '.join(GGML_TYPES)}")
     if k % GROUP:
         raise ValueError(f"a [{n}, {k}] matrix cannot be quantized in blocks of {GROUP}: {k} is not a multiple")
-    step = max(1, CHUNK_ELEMENTS // k)
-    parts = [_blocks(w[r:r + step].float().reshape(-1, k // GROUP, GROUP), kind) for r in range(0, n, step)]
-    qs, d, m = (None if parts[0][i] is None else torch.cat([p[i] for p in parts]) for i in range(3))
-    return QuantWeight(kind, qs, d, m)
+    qtype, step = GGML_TYPES[kind], max(1, CHUNK_ELEMENTS // k)
+    parts = []
+    for r in range(0, n, step):
+        rows = w[r:r + step].detach().float().numpy()
+        parts.append(pack_blocks(quants.quantize(rows, GGMLQuantizationType(qtype)), qtype, rows.shape[0], k))
+    return QuantWeight.cat(parts)
 
 
 def _safetensors_files(folder: Path) -> list[Path]:
@@ -185,9 +159,11 @@ def read_quantized(folder: str | Path, mode: str, dtype="auto", *, head: str | N
 
 
 def _tie(tensors: dict, config, head: str | None) -> None:
-    """A tied head reads the embedding: its table quantized to `head` (None: the float table)."""
-    if "output.weight" in tensors or not getattr(config, "tie_word_embeddings", False):
+    """A tied head reads the embedding: its table quantized to `head` (None: the float table). A tied
+    checkpoint that also saved `lm_head.weight` (the same matrix) keeps one copy."""
+    if not getattr(config, "tie_word_embeddings", False):
         return
+    tensors.pop("output.weight", None)
     embed = tensors["token_embd.weight"]
     if head and not isinstance(embed, QuantWeight) and embed.shape[1] % GROUP == 0:
         tensors["token_embd.weight"] = quantize_weight(embed, head)

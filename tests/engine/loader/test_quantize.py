@@ -3,8 +3,8 @@ GGUF's Q8_0 / Q4_1 blocks (the LM head in Q8_0), the only copy, run by the nativ
 kernels; checked against ggml's reference quantizer, the format's rounding bound and the float32 oracle.
 
 Tolerances, and why (measured when written; asserted with a margin):
-- the blocks are gguf-py's reference quantizer's (ggml's `quantize_row_*_ref`) bit for bit, and every
-  weight is within its block's rounding bound (the module docstring's).
+- the blocks (gguf-py's quantizer, ggml's `quantize_row_*_ref`) are the module docstring's rules written
+  out in torch bit for bit, and every weight is within its block's rounding bound.
 - logits against the float32 oracle (transformers, cacheless) over a prefill and 1- and 2-row decode
   steps: the weights' rounding plus the kernels' int8 rounding of the activations per 32-block. On the
   tiny seeded Llama (logits up to ~0.5): int8 moved them by at most 0.004, asserted 0.02; int4 by 0.07,
@@ -23,7 +23,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from gguf import quants
 from tiny_gguf import tiny_llama, write_llama_gguf
 from tiny_models import full_logits, tiny_model, tiny_tokenizer
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
@@ -33,14 +32,14 @@ from engine.api.errors import ModelSourceError
 from engine.api.sampling_params import SamplingParams
 from engine.core.llm import LLM
 from engine.loader.default import DEFAULT_MODEL_DIR
-from engine.loader.gguf_tensors import QuantWeight, pack_blocks
+from engine.loader.gguf_tensors import QuantWeight
 from engine.loader.quantize import FORMATS, gguf_name, quantize_weight
 from engine.loader.source import resolve_model
 from engine.model.native.quant import QuantLinear
 from engine.model.runner import ModelRunner
 
 Q = gguf.GGMLQuantizationType
-KINDS = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1}
+KINDS = ("q8_0", "q4_0", "q4_1")
 BYTES_PER_WEIGHT = {"int8": 34 / 32, "int4": 20 / 32}  # Q8_0, Q4_1
 LOGIT_ATOL = {"int8": 0.02, "int4": 0.25}
 GREEDY_SAME = {"int8": 6, "int4": 5}
@@ -59,12 +58,38 @@ def _matrix() -> torch.Tensor:
     return w
 
 
+def _roundf(v: torch.Tensor) -> torch.Tensor:
+    """C's roundf (half away from zero), exactly: floor(|v|) + floor(2 frac(|v|)), signed."""
+    a = v.abs()
+    f = a.floor()
+    return torch.sign(v) * (f + (2 * (a - f)).floor())
+
+
+def _rules(w: torch.Tensor, kind: str) -> QuantWeight:
+    """engine/loader/quantize.py's docstring rules written out in torch (ggml's `quantize_row_*_ref`),
+    packed as `QuantWeight` documents it: the reference the library's bytes must equal."""
+    x = w.reshape(w.shape[0], -1, 32)
+    inverse = lambda d: torch.where(d == 0, torch.zeros_like(d), 1 / d)
+    nibbles = lambda q: (q[..., :16] | (q[..., 16:] << 4)).reshape(w.shape[0], -1)
+    flat = lambda t: t.half().reshape(w.shape[0], -1)
+    if kind == "q8_0":
+        d = x.abs().amax(-1, keepdim=True) / 127
+        q = _roundf(x * inverse(d))
+        return QuantWeight(kind, (q.to(torch.int16) + 128).to(torch.uint8).reshape(w.shape[0], -1), flat(d))
+    if kind == "q4_0":
+        d = x.gather(-1, x.abs().argmax(-1, keepdim=True)) / -8
+        return QuantWeight(kind, nibbles(torch.trunc(x * inverse(d) + 8.5).clamp(0, 15).to(torch.uint8)), flat(d))
+    lo, hi = x.amin(-1, keepdim=True), x.amax(-1, keepdim=True)
+    d = (hi - lo) / 15
+    q = torch.trunc((x - lo) * inverse(d) + 0.5).clamp(0, 15).to(torch.uint8)
+    return QuantWeight(kind, nibbles(q), flat(d), flat(lo))
+
+
 @pytest.mark.parametrize("kind", KINDS)
-def test_blocks_are_the_reference_quantizers_bit_for_bit(kind):
+def test_blocks_follow_the_written_rules_bit_for_bit(kind):
     w = _matrix()
-    ref = pack_blocks(quants.quantize(w.numpy(), KINDS[kind]), int(KINDS[kind]), *w.shape)
     got = quantize_weight(w, kind)
-    for a, b in zip(got.fields(), ref.fields()):
+    for a, b in zip(got.fields(), _rules(w, kind).fields()):
         assert (a is None and b is None) or torch.equal(a, b)
 
 

@@ -78,8 +78,10 @@ def _build() -> str | None:
 
 def build_directory() -> Path:
     """Where this source, torch and CPU's build lives (-march=native: a build belongs to the CPU's
-    instruction set as much as to the source and torch)."""
-    tag = f"{torch.__version__} {_cpu_flags()} {_CFLAGS}"
+    instruction set as much as to the source and torch). The sources' folder is part of the key: ninja
+    rebuilds when the same files come from another path, so two checkouts sharing one directory would
+    rebuild it in turn at every start (a minute or more each)."""
+    tag = f"{torch.__version__} {_cpu_flags()} {_CFLAGS} {SOURCES[0].resolve().parent}"
     key = hashlib.sha256(b"".join(s.read_bytes() for s in SOURCES + HEADERS) + tag.encode()).hexdigest()[:16]
     return Path(os.environ.get("CELLSERVE_KERNEL_CACHE", Path.home() / ".cache" / "cellserve" / "kernels")) / key
 

@@ -1,5 +1,11 @@
-"""Shared pytest set-up: one torch thread (the CI box has 2 shared cores), offline Hugging Face, and the
-session-wide model folders every layer's tests use (tests/engine, tests/server, tests/bench)."""
+"""Shared pytest set-up: one torch thread (the CI box has 2 shared cores), offline Hugging Face, the
+session-wide model folders every layer's tests use (tests/engine, tests/server, tests/bench), and no
+skipped test where a run must be whole.
+
+A test may skip itself where what it needs is missing (a browser, the fused kernels, a CPU feature, an
+optional client library), so a user's `make test` on another machine still runs the rest. Where the run
+must be complete (env `CI`, or `CELLSERVE_NO_SKIP`, which `.ci/run` sets), a skip is reported as a
+failure with its reason: a skipped test is not a passing one."""
 
 import os
 
@@ -13,6 +19,28 @@ torch.set_num_threads(1)
 
 import pytest
 from tiny_models import save_tiny_model_dir
+
+NO_SKIP = bool(os.environ.get("CI") or os.environ.get("CELLSERVE_NO_SKIP"))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """With NO_SKIP, a test that skipped itself (pytest.skip, importorskip, skipif) fails with the reason."""
+    outcome = yield
+    report = outcome.get_result()
+    if NO_SKIP and report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome, report.longrepr = "failed", f"skipped where every test must run (CI / CELLSERVE_NO_SKIP): {reason}"
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_make_collect_report(collector):
+    """The same for a whole module that skips itself at import (a module-level importorskip)."""
+    outcome = yield
+    report = outcome.get_result()
+    if NO_SKIP and report.skipped:
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        report.outcome, report.longrepr = "failed", f"module skipped where every test must run: {reason}"
 
 
 @pytest.fixture(scope="session")

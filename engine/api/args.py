@@ -44,6 +44,11 @@ class EngineArgs:
     # default (the oracle suite runs with "ngram" forced on).
     speculative: str | None = field(default_factory=lambda: os.environ.get("CELLSERVE_SPECULATIVE") or "auto")
     num_speculative_tokens: int = 4  # the longest draft a sequence carries into one step
+    # A draft model (engine/core/draft_model.py): a HF folder, a .gguf file or a known name of the target's
+    # tokenizer (resolved as `model`), drafting where no model-free draft exists; its own dtype ("auto": a
+    # .gguf's own blocks where they can run) and its own cell pool of the target's size. None: no draft model.
+    draft_model: str | Path | None = None
+    draft_dtype: str = "auto"
     # Durable sequences (engine/core/state/): every persistent sequence's tokens are written to this folder on
     # every change and its KV cells when it goes idle; a new engine on the same folder restores them. None: RAM only.
     state_dir: str | Path | None = None
@@ -57,6 +62,9 @@ class EngineArgs:
             raise ValueError(f"speculative={self.speculative!r}: use one of {SPECULATIVE_METHODS}")
         if self.quantize not in QUANTIZE_MODES:
             raise ValueError(f"quantize={self.quantize!r}: use one of {', '.join(QUANTIZE_MODES)}")
+        if self.draft_model is not None and self.speculative in ("off", None):
+            raise ValueError("a draft model drafts only with speculative 'auto' or 'ngram': drop the draft model "
+                             "or turn speculative decoding on")
         if not 1 <= self.num_speculative_tokens <= 16:
             raise ValueError(f"num_speculative_tokens={self.num_speculative_tokens}: use 1 to 16")
 

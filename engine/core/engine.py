@@ -21,6 +21,7 @@ from engine.api.outputs import EngineStats, PromptLogprobs, RequestOutput, Seque
 from engine.api.sampling_params import SamplingParams
 from engine.core.admission import Admission
 from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.draft_model import DraftModel, check_same_vocabulary
 from engine.core.output_processor import OutputProcessor
 from engine.core.persistent import SequenceTable
 from engine.core.prompt_logprobs import prompt_rows as plp_rows
@@ -30,7 +31,7 @@ from engine.core.sequence import Request, Sequence
 from engine.core.speculative import SpeculativeDecoder
 from engine.core.state.identity import identity_of
 from engine.core.state.store import DurableStore
-from engine.loader.source import resolve_args
+from engine.loader.source import resolve_args, resolve_model
 from engine.model.flat_step import FlatStep, flatten_step
 from engine.model.runner import ModelRunner
 from engine.sample.sampler import Sampler, make_generator
@@ -47,7 +48,8 @@ class Engine:
     cells, and only until deleted, expired or evicted).
     """
 
-    def __init__(self, runner: ModelRunner, config: EngineArgs | None = None):
+    def __init__(self, runner: ModelRunner, config: EngineArgs | None = None, draft: ModelRunner | None = None):
+        """`draft`: the draft model's runner (`EngineArgs.draft_model` loaded; speculative decoding on)."""
         self.runner = runner
         self.config = config or EngineArgs()
         self.cache = runner.cache
@@ -65,10 +67,13 @@ class Engine:
                                    self.vocab_size, self.tokenizer, self.eos_ids, self.config.grammar_timeout_s)
         self.outputs = OutputProcessor(self.scheduler, self.requests, self.eos_ids)
         self.speculative = None
+        if draft is not None and cfg.speculative not in ("auto", "ngram"):
+            raise ValueError("a draft model drafts only with speculative 'auto' or 'ngram'")
         if cfg.speculative in ("auto", "ngram"):
             self.speculative = SpeculativeDecoder(self.scheduler, self.sampler, self.outputs,
                                                   cfg.num_speculative_tokens, runner.max_model_len,
-                                                  always=cfg.speculative == "ngram", persistent=self.persistent.by_id.get)
+                                                  always=cfg.speculative == "ngram", persistent=self.persistent.by_id.get,
+                                                  drafter=self._drafter(draft))
         self.steps = self.generated_tokens = self.prompt_tokens = 0
 
     @classmethod
@@ -79,7 +84,11 @@ class Engine:
             args, _ = resolve_args(args)
             runner = ModelRunner.from_pretrained(args.model, dtype=args.dtype, quantize=args.quantize,
                                                  **args.runner_kwargs())
-        return cls(runner, args)
+        draft = None
+        if args.draft_model is not None:  # its own pool: as many cells and slots as the target's
+            draft = ModelRunner.from_pretrained(resolve_model(args.draft_model, args.draft_dtype).path,
+                                                dtype=args.draft_dtype, **{**args.runner_kwargs(), "n_cells": runner.n_cells})
+        return cls(runner, args, draft)
 
     @property
     def sequences(self) -> dict[str, Sequence]:
@@ -232,9 +241,22 @@ class Engine:
         return self._settle(outputs)
 
     # ----- internals -------------------------------------------------------------------------
+    def _drafter(self, draft: ModelRunner | None) -> DraftModel | None:
+        """The draft model's driver, its pool following the scheduler's cells (Scheduler.mirror)."""
+        if draft is None:
+            return None
+        check_same_vocabulary(self.runner, draft, str(self.config.draft_model or "given"))
+        if draft.cache.max_seqs != self.cache.max_seqs:
+            raise ValueError(f"the draft pool has {draft.cache.max_seqs} slots and the target's {self.cache.max_seqs}: "
+                             f"build both runners with the same max_seqs")
+        self.scheduler.mirror = DraftModel(draft, self.sampler, self.config.max_num_batched_tokens)
+        return self.scheduler.mirror
+
     def _settle(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Requests on persistent sequences that ended this tick: the sequences go to the state dir (if any)
         before their last output leaves the engine, so an acknowledged generation survives a crash."""
+        if self.speculative is not None:
+            self.speculative.settle()
         for out in outputs:
             if out.finished and out.seq_id is not None:
                 self.persistent.settled(out.seq_id)

@@ -107,6 +107,9 @@ class Scheduler:
         heapq.heapify(self._free_slots)
         self.preemptions = 0
         self.pager = None  # with a state dir: pager(seq, limit, reserve) loads saved cells (see `page_in`)
+        # With a draft model: its own pool follows these cells by slot (`released`, `cut`, `shared`: see
+        # engine/core/draft_model.py); cells loaded from disk it does not get (it prefills them when it drafts).
+        self.mirror = None
 
     # ----- queue -----------------------------------------------------------------------------
     def enqueue(self, seq: Sequence, front: bool = False) -> None:
@@ -148,6 +151,8 @@ class Scheduler:
         if seq.slot is None:
             return
         self.cache.seq_rm(seq.slot)
+        if self.mirror is not None:
+            self.mirror.released(seq.slot)
         del self.holders[seq.slot]
         heapq.heappush(self._free_slots, seq.slot)
         seq.slot, seq.n_cached = None, 0
@@ -170,11 +175,15 @@ class Scheduler:
         """`dst` (holding a slot) also owns `src`'s cells of positions [dst.n_cached, upto): no copy.
         The caller guarantees both have the same tokens there, so dst's cells stay [0, upto)."""
         self.cache.seq_cp(src.slot, dst.slot, upto=upto, start=dst.n_cached)
+        if self.mirror is not None:
+            self.mirror.shared(src.slot, dst.slot, upto)
         self.set_cached(dst, upto)
 
     def uncache(self, seq: Sequence, n: int) -> int:
         """Drop `seq`'s cells from position n on (its tokens stay); return the cells that became free."""
         freed = self.cache.seq_rm(seq.slot, n)
+        if self.mirror is not None:
+            self.mirror.cut(seq.slot, n)
         self.set_cached(seq, n)
         return freed
 

@@ -57,6 +57,7 @@ class Sequence:
     # prompt row's logits from its own prefill, on first admission and after a preemption.
     shares_prefix: bool = True
     draft: list[int] = field(default_factory=list)  # guessed next tokens for this tick (speculative), not yet truth
+    draft_q: "torch.Tensor | None" = None  # a draft model's sampled draft: the distribution of each token (rows)
     draft_len: int = 0  # how many tokens its next draft may hold (0: the engine's maximum); adapts to acceptance
     draft_pause: int = 0  # ticks to go without drafting ("auto" backs off after drafts wholly rejected)
     draft_misses: int = 0  # wholly rejected drafts in a row

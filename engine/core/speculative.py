@@ -24,6 +24,10 @@ Guarantees:
   its row yields. For a draft proposed without a model this is exactly speculative sampling: a token
   equal to the draft is accepted with probability p(draft), and on a mismatch the row's token is drawn
   from p without the draft token (the residual distribution);
+- with a draft model (engine/core/draft_model.py, where no model-free draft exists): a greedy row's draft
+  is checked as above (output unchanged); a sampled row's draft was drawn from the draft model's q and is
+  accepted by standard speculative sampling (`_accept_drawn`): the output follows the target's
+  distribution exactly, and is reproducible for a seed, but is not the draw the seed gives without drafts;
 - rows with a grammar do not draft (the grammar's state would have to follow tokens that may be
   rejected); they decode one token as before;
 - after `verify` a sequence's cells hold exactly positions `[0, n_cached)` of its token ids, whether it
@@ -32,6 +36,7 @@ Guarantees:
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 
 import torch
@@ -41,6 +46,8 @@ from engine.core.output_processor import OutputProcessor
 from engine.core.scheduler import Chunk, Scheduler
 from engine.core.sequence import Request, Sequence
 from engine.sample.sampler import Sampler, advance
+
+log = logging.getLogger("cellserve.speculative")
 
 NGRAM_MAX = 4  # the longest suffix matched against the history (vLLM's prompt_lookup_max default)
 NGRAM_MIN = 1
@@ -80,10 +87,11 @@ class SpeculativeDecoder:
 
     def __init__(self, scheduler: Scheduler, sampler: Sampler, outputs: OutputProcessor, k: int,
                  max_model_len: int, *, always: bool = True,
-                 persistent: Callable[[str], Sequence | None] = lambda seq_id: None):
-        """`persistent`: a persistent sequence by id (a fork's parent is a draft source), None if gone."""
+                 persistent: Callable[[str], Sequence | None] = lambda seq_id: None, drafter=None):
+        """`persistent`: a persistent sequence by id (a fork's parent is a draft source), None if gone.
+        `drafter`: a `DraftModel` (engine/core/draft_model.py) drafting where no model-free draft exists."""
         self.scheduler, self.sampler, self.outputs = scheduler, sampler, outputs
-        self.persistent = persistent
+        self.persistent, self.drafter = persistent, drafter
         self.k, self.max_model_len, self.always = k, max_model_len, always
         self.drafted = self.accepted = 0  # tokens proposed / kept, for reports
 
@@ -92,23 +100,37 @@ class SpeculativeDecoder:
         `always` off, only while few sequences decode."""
         running = self.scheduler.running
         quiet = self.always or len(running) <= AUTO_MAX_DECODING
+        by_model = []  # (sequence, room): no free draft, the draft model's then
         for seq in running:
+            seq.draft, seq.draft_q = [], None
             if seq.draft_pause > 0 and not self.always:
                 seq.draft_pause -= 1
-                seq.draft = []
                 continue
-            seq.draft = self._draft_for(seq) if quiet and self._eligible(seq) else []
+            room = self._room(seq) if quiet and self._eligible(seq) else 0
+            seq.draft = self._draft_for(seq, room) if room > 0 else []
+            if room > 0 and not seq.draft and self.drafter is not None:
+                by_model.append((seq, room))
+        if by_model:
+            self._model_drafts(by_model)
+
+    def _model_drafts(self, wanted: list[tuple[Sequence, int]]) -> None:
+        try:
+            self.drafter.propose(wanted)
+        except Exception:  # a failing draft costs its drafts, never the target's step
+            log.exception("the draft model failed; this tick runs without its drafts")
+            for seq, _ in wanted:
+                seq.draft, seq.draft_q = [], None
 
     def _eligible(self, seq: Sequence) -> bool:
         req = seq.request
         return (req is not None and not req.prefill_only and seq.grammar is None
                 and seq.cache_target() - seq.n_cached == 1 and not req.children_pending)
 
-    def _draft_for(self, seq: Sequence) -> list[int]:
-        room = min(seq.draft_len or self.k, seq.params.max_tokens - seq.num_generated - 1,
+    def _room(self, seq: Sequence) -> int:
+        return min(seq.draft_len or self.k, seq.params.max_tokens - seq.num_generated - 1,
                    self.max_model_len - len(seq.token_ids) - 1)
-        if room <= 0:
-            return []
+
+    def _draft_for(self, seq: Sequence, room: int) -> list[int]:
         followed = self._followed(seq)
         for text, start in followed:
             n = len(seq.token_ids)
@@ -138,7 +160,9 @@ class SpeculativeDecoder:
             seq, req = c.seq, c.seq.request
             if req is None or req.finished:
                 continue
-            tokens, lps = self._accept(seq, c.draft, rows)
+            q = seq.draft_q[: len(c.draft)] if seq.draft_q is not None else None
+            tokens, lps = self._accept(seq, c.draft, rows) if q is None else self._accept_drawn(seq, c.draft, rows, q)
+            by_model = self.drafter is not None and self.drafter.drafted_for(seq)
             start = c.start + 1  # the first drafted position (the chunk's first row is the last real token)
             kept = 0
             for token, lp in zip(tokens, lps):
@@ -153,13 +177,21 @@ class SpeculativeDecoder:
             self.accepted += drafts_kept
             req.accepted_draft_tokens += drafts_kept
             req.rejected_draft_tokens += len(c.draft) - drafts_kept
+            if by_model:
+                self.drafter.drafted += len(c.draft)
+                self.drafter.accepted += drafts_kept
             # adapt: a draft kept whole may grow by one next time; else it shrinks to what was kept, plus one
             seq.draft_len = min(self.k, len(c.draft) + 1) if drafts_kept == len(c.draft) else drafts_kept + 1
             seq.draft_misses = 0 if drafts_kept else seq.draft_misses + 1
             seq.draft_pause = min(AUTO_MAX_PAUSE, 2 ** seq.draft_misses) if seq.draft_misses else 0
             self._trim(seq, start + drafts_kept, start + len(c.draft))
-            seq.draft = []
+            seq.draft, seq.draft_q = [], None
         return appended
+
+    def settle(self) -> None:
+        """After a tick: the draft model's pool keeps no cell of a drafted token the target did not keep."""
+        if self.drafter is not None:
+            self.drafter.sync_all()
 
     def _accept(self, seq: Sequence, draft: list[int], rows: torch.Tensor) -> tuple[list[int], list]:
         """The tokens row by row would yield (row i sees the outputs plus draft[:i]), cut after the first
@@ -180,6 +212,30 @@ class SpeculativeDecoder:
         lps = [TokenLogprob(t, lp, top or []) if lp is not None else None
                for t, lp, top in zip(result.token_ids, result.logprobs, result.top_logprobs)]
         return result.token_ids[: a + 1], lps[: a + 1]
+
+    def _accept_drawn(self, seq: Sequence, draft: list[int], rows: torch.Tensor, q: torch.Tensor
+                      ) -> tuple[list[int], list]:
+        """Speculative sampling for a draft drawn from q (a draft model's, on a sampled row): draft[i] is kept
+        with probability min(1, p_i(draft[i]) / q_i(draft[i])), p_i being the distribution row i samples from
+        (`Sampler.distribution`: its history is the outputs plus draft[:i]); the first one refused is replaced
+        by a draw from max(0, p_i - q_i), normalised, and a draft kept whole earns a draw from p at its end.
+        The tokens then follow p exactly (Leviathan et al., 2023). With a one-hot q (a model-free draft) it is
+        `_accept`'s rule. Every draw comes from the sequence's generator: a seeded request is reproducible."""
+        n, par = len(draft) + 1, seq.params
+        outs = [seq.output_ids + draft[:i] for i in range(n)] if par.has_penalties else None
+        prompt = [seq.token_ids[: seq.gen_start]] * n if par.has_penalties else None
+        p = self.sampler.distribution(rows, [par] * n, outs, prompt)
+        at, d = torch.arange(len(draft)), torch.tensor(draft)
+        u = torch.rand(len(draft), generator=seq.generator, dtype=torch.float64)
+        refused = (u * q[at, d].double() >= p[at, d].double()).nonzero().flatten()
+        a = int(refused[0]) if refused.numel() else len(draft)
+        last = (p[a] - q[a]).clamp(min=0) if a < len(draft) else p[a]
+        last = last if last.sum() > 0 else p[a]  # p <= q everywhere only where p == q: p itself then
+        tokens = draft[:a] + [int(torch.multinomial(last, 1, generator=seq.generator))]
+        if par.logprobs is None:
+            return tokens, [None] * len(tokens)
+        lp, top = Sampler._logprobs(rows[: len(tokens)], torch.tensor(tokens), [par] * len(tokens))
+        return tokens, [TokenLogprob(t, v, k or []) for t, v, k in zip(tokens, lp, top)]
 
     def _trim(self, seq: Sequence, valid: int, claimed: int) -> None:
         """Cells of positions in [valid, claimed) were drafted and not kept: drop them (seq_rm) and record

@@ -335,4 +335,5 @@ def resolve_args(args: EngineArgs) -> tuple[EngineArgs, str]:
     """`args` with `model` resolved to a loadable folder (pulling or converting it if needed), and the
     model's display name."""
     source = resolve_model(args.model, args.dtype)
-    return replace(args, model=source.path), source.name
+    draft = resolve_model(args.draft_model, args.draft_dtype).path if args.draft_model is not None else None
+    return replace(args, model=source.path, draft_model=draft), source.name

@@ -91,6 +91,29 @@ class Sampler:
         lp, top = self._logprobs(logits, tokens, params) if want_lp else ([None] * B, [None] * B)
         return SampleResult(tokens.tolist(), lp, top)
 
+    def distribution(self, logits: torch.Tensor, params: Sequence[SamplingParams],
+                     output_ids: Sequence[Sequence[int]] | None = None,
+                     prompt_ids: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+        """The probabilities `[B, V]` each row's token is drawn from (the same processing as `__call__`, no
+        grammar): a greedy row's is one-hot at its argmax. Speculative sampling with a draft model compares
+        these (the target's p against the draft's q)."""
+        B = self._check_inputs(logits, params, None, output_ids, prompt_ids)
+        x = logits.float().clone()
+        if any(p.has_penalties or p.logit_bias or p.masks_tokens for p in params):
+            self._apply_bias_and_penalties(x, params, output_ids, prompt_ids)
+            if any(p.masks_tokens for p in params):
+                self._apply_token_rules(x, params, output_ids)
+        probs = torch.zeros_like(x)
+        greedy = [i for i, p in enumerate(params) if p.greedy]
+        if greedy:
+            idx = torch.tensor(greedy, device=x.device)
+            probs[idx, x.index_select(0, idx).argmax(dim=-1)] = 1.0
+        sampled = [i for i in range(B) if not params[i].greedy]
+        if sampled:
+            idx = torch.tensor(sampled, device=x.device)
+            probs[idx] = torch.softmax(_scaled(x, idx, [params[i] for i in sampled]), dim=-1)
+        return probs
+
     @staticmethod
     def _check_inputs(logits, params, generators, output_ids, prompt_ids, grammars=None) -> int:
         if logits.dim() != 2:
@@ -100,7 +123,7 @@ class Sampler:
                            ("output_ids", output_ids), ("prompt_ids", prompt_ids), ("grammars", grammars)):
             if rows is not None and len(rows) != B:
                 raise ValueError(f"{name} has {len(rows)} entries but logits has {B} rows; pass one per row")
-        for i, (p, g) in enumerate(zip(params, generators)):
+        for i, (p, g) in enumerate(zip(params, generators or ())):  # None: no draw (`distribution`)
             if g is None and not p.greedy:
                 raise ValueError(f"row {i} samples (temperature {p.temperature}) but has no generator; "
                                  "create one per sequence with make_generator(params)")
@@ -176,11 +199,7 @@ class Sampler:
             return x.argmax(dim=-1)
         dev = x.device
         idx = torch.tensor(sampled, device=dev)
-        rows = [params[i] for i in sampled]
-        temp = torch.tensor([p.temperature for p in rows], device=dev, dtype=x.dtype)[:, None]
-        scaled = x.index_select(0, idx) / temp
-        if any(p.truncates for p in rows):
-            scaled = _truncate(scaled, rows)
+        scaled = _scaled(x, idx, [params[i] for i in sampled])
         # Exponential race: argmax(p / E) with E ~ Exp(1) draws from p; in log space logit - log(E).
         # The noise of row i comes only from generator i, so its token ignores the rest of the batch.
         noise = torch.stack([_exponential(x.shape[1], generators[i], x.dtype).to(dev) for i in sampled])
@@ -227,6 +246,13 @@ def _flat_index(rows: list[int], seqs: Sequence[Sequence[int]], device) -> tuple
     # One tensor per row, concatenated: no Python loop over the (possibly long) token histories.
     t = torch.cat([torch.as_tensor(s, dtype=torch.long) for s in seqs]).to(device)
     return r, t
+
+
+def _scaled(x: torch.Tensor, idx: torch.Tensor, rows: list[SamplingParams]) -> torch.Tensor:
+    """Rows `idx` of x divided by their temperature, then truncated (min_p, top_k, top_p): what is drawn from."""
+    temp = torch.tensor([p.temperature for p in rows], device=x.device, dtype=x.dtype)[:, None]
+    scaled = x.index_select(0, idx) / temp
+    return _truncate(scaled, rows) if any(p.truncates for p in rows) else scaled
 
 
 def _truncate(scaled: torch.Tensor, rows: list[SamplingParams]) -> torch.Tensor:

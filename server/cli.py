@@ -15,7 +15,7 @@ import signal
 import sys
 import threading
 
-from engine.api.args import QUANTIZE_MODES, EngineArgs
+from engine.api.args import KV_CACHE_DTYPES, QUANTIZE_MODES, EngineArgs
 from server.config import (
     KEEP_ALIVE_S,
     engine_factory,
@@ -83,6 +83,9 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="quantize a float folder's linears at load, weight-only in blocks of 32 (int8: Q8_0, "
                         "~1/4 of float32's bytes; int4: Q4_1, ~1/6; the LM head Q8_0) and run them on the "
                         "quantized kernels; Llama/Mistral/Qwen2 models; not with a GGUF served quantized")
+    p.add_argument("--kv-cache-dtype", default=ENGINE.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
+                   help="KV cells' storage (auto: the model's dtype; int8: int8 with a float32 scale per cell and "
+                        "kv head, about half of bf16's bytes, so a --kv-memory budget holds ~2x the cells)")
     p.add_argument("--attention", default=ENGINE.attention, choices=["fast", "reference"],
                    help="fast: read only visible cells (default); reference: dense mask over the pool")
     p.add_argument("--served-model-name", default=None, help="model id reported by the API")

@@ -28,7 +28,8 @@ def human_bytes(n: int) -> str:
 
 def engine_args_of(args: argparse.Namespace) -> EngineArgs:
     """The serve flags as the one `EngineArgs` every engine is built from."""
-    return EngineArgs(model=args.model, dtype=args.dtype, quantize=args.quantize, n_cells=args.n_cells,
+    return EngineArgs(model=args.model, dtype=args.dtype, quantize=args.quantize,
+                      kv_cache_dtype=args.kv_cache_dtype, n_cells=args.n_cells,
                       kv_memory_bytes=args.kv_memory,
                       max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                       max_queue=args.max_queue, seq_ttl_s=args.seq_ttl, threads=args.threads,
@@ -49,9 +50,9 @@ def engine_factory(args: argparse.Namespace) -> Callable[[], object]:
         log.info("loading model %s from %s%s", name, engine_args.model, "" if args.model else " (the bundled model)")
         engine = AsyncEngine.from_args(engine_args, model_name=name)
         pool = engine.n_cells * engine.cell_bytes
-        log.info("loaded %s (%s%s, context %d tokens); cell pool: %d cells x %d B = %s; prefix cache %s",
+        log.info("loaded %s (%s%s, context %d tokens); cell pool: %d cells x %d B = %s (KV %s); prefix cache %s",
                  engine.model_name, engine.dtype, _quantized(args.quantize), engine.max_model_len, engine.n_cells,
-                 engine.cell_bytes, human_bytes(pool),
+                 engine.cell_bytes, human_bytes(pool), engine.kv_cache_dtype,
                  "on" if engine.prefix_caching else "off (--no-prefix-cache)")
         return engine
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 SPECULATIVE_METHODS = ("auto", "ngram", "off", None)
 QUANTIZE_MODES = ("none", "int8", "int4")  # weight-only, 32-weight blocks (engine/loader/quantize.py)
+KV_CACHE_DTYPES = ("auto", "int8")  # KV cells: the model's dtype, or int8 + a float32 scale per cell and kv head
 DEFAULT_SLOTS = 256  # sequence slots in the cell pool at least (persistent and cached sequences hold one)
 
 
@@ -23,6 +24,9 @@ class EngineArgs:
     # "int8" / "int4": a float folder's linears quantized at load (Q8_0 / Q4_1 blocks), run on the native
     # forward's quantized kernels; Llama-family models only, not with a GGUF served from its own blocks
     quantize: str = "none"
+    # "int8": KV cells stored as int8 with a float32 scale per (cell, kv head) (engine/cells/int8_kv.py), about
+    # half of bf16's bytes a cell, so kv_memory_bytes holds ~2x the cells; "auto": the model's dtype
+    kv_cache_dtype: str = "auto"
     n_cells: int | None = None  # KV pool size in tokens (or give kv_memory_bytes); None: the runner's rule
     kv_memory_bytes: int | None = None
     max_num_seqs: int = 256  # sequences generating at once
@@ -62,6 +66,9 @@ class EngineArgs:
             raise ValueError(f"speculative={self.speculative!r}: use one of {SPECULATIVE_METHODS}")
         if self.quantize not in QUANTIZE_MODES:
             raise ValueError(f"quantize={self.quantize!r}: use one of {', '.join(QUANTIZE_MODES)}")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: use one of {', '.join(KV_CACHE_DTYPES)} "
+                             f"(auto: the model's dtype; int8: about half the bytes a cell)")
         if self.draft_model is not None and self.speculative in ("off", None):
             raise ValueError("a draft model drafts only with speculative 'auto' or 'ngram': drop the draft model "
                              "or turn speculative decoding on")
@@ -76,7 +83,7 @@ class EngineArgs:
     def runner_kwargs(self) -> dict:
         """What a `ModelRunner` takes from these args (the benchmarks build one over an in-memory model)."""
         return {"n_cells": self.n_cells, "kv_memory_bytes": self.kv_memory_bytes, "max_seqs": self.max_seqs,
-                "threads": self.threads, "attention": self.attention}
+                "threads": self.threads, "attention": self.attention, "kv_cache_dtype": self.kv_cache_dtype}
 
 
 def _env_int(name: str, default: int) -> int:

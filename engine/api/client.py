@@ -19,6 +19,7 @@ class EngineClient(Protocol):
     max_model_len: int
     n_cells: int
     cell_bytes: int
+    kv_cache_dtype: str  # "auto" (the model's dtype) or "int8"
     dtype: Any  # the model's torch dtype (printed, never computed with)
     prefix_caching: bool
     failure: str | None  # why the engine loop stopped, if it ever did

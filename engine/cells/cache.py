@@ -15,8 +15,10 @@ What a plan holds and how each query row reads it lives in `engine/cells/plan.py
 
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
+from engine.cells import int8_kv
+from engine.cells.layer import CellLayer
 from engine.cells.plan import StepPlan
 
 DEFAULT_MAX_SEQS = 256
@@ -36,50 +38,6 @@ class CacheFull(CellCacheError):
         )
         self.needed = needed
         self.free = free
-
-
-class CellLayer(CacheLayerMixin):
-    """One layer's K/V pools `[1, n_kv_heads, n_cells, head_dim]`, allocated on first use.
-
-    Shapes come from the model's own key/value states, so any architecture (GQA, GPT-2, different
-    K and V head sizes) works without parsing its config.
-    """
-
-    is_compileable = False
-    is_sliding = False  # a sliding window lives in the mask, not in the pool
-
-    def __init__(self, cache: "CellCache", layer_idx: int):
-        super().__init__()
-        self.cache = cache
-        self.layer_idx = layer_idx
-
-    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        n = self.cache.n_cells
-        k_shape = (1, key_states.shape[1], n, key_states.shape[3])
-        v_shape = (1, value_states.shape[1], n, value_states.shape[3])
-        self.keys = torch.zeros(k_shape, dtype=key_states.dtype, device=key_states.device)
-        self.values = torch.zeros(v_shape, dtype=value_states.dtype, device=value_states.device)
-        self.dtype, self.device = key_states.dtype, key_states.device
-        self.is_initialized = True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        plan = self.cache.take_layer(self.layer_idx)
-        if not self.is_initialized:
-            self.lazy_initialization(key_states, value_states)
-        self.keys.index_copy_(2, plan.kv_cells, key_states)
-        self.values.index_copy_(2, plan.kv_cells, value_states)
-        if plan.read_idx is not None:
-            return self.keys.index_select(2, plan.read_idx), self.values.index_select(2, plan.read_idx)
-        return self.keys[:, :, : plan.read_len], self.values[:, :, : plan.read_len]
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.cache.read_len, 0
-
-    def get_seq_length(self) -> int:
-        return self.cache.read_len
-
-    def get_max_length(self) -> int:
-        return self.cache.n_cells
 
 
 class CellCache(Cache):
@@ -102,9 +60,15 @@ class CellCache(Cache):
         max_seqs: int = DEFAULT_MAX_SEQS,
         compact: bool = True,
         device: str | torch.device = "cpu",
+        kv_dtype: torch.dtype | None = None,
     ):
+        """`kv_dtype`: None keeps K/V in the model's dtype; torch.int8 stores them as int8 rows with a float32
+        scale per (cell, kv head) (`engine/cells/layer.py`)."""
         if n_cells < 1 or n_layers < 1 or max_seqs < 1:
             raise ValueError(f"n_cells, n_layers and max_seqs must be >= 1 (got {n_cells}, {n_layers}, {max_seqs})")
+        if kv_dtype not in (None, torch.int8):
+            raise ValueError(f"kv_dtype={kv_dtype!r}: use None (the model's dtype) or torch.int8")
+        self.kv_dtype = kv_dtype
         self.n_cells = n_cells
         self.max_seqs = max_seqs
         self.compact = compact
@@ -226,15 +190,16 @@ class CellCache(Cache):
 
     def seq_read(self, seq_id: int, p0: int, p1: int) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V of `seq_id`'s cells for positions [p0, p1), in position order: `[n_layers, n_kv_heads,
-        p1 - p0, head_dim]` each, copies on the host (what a saved sequence writes to disk). `seq_id` must
-        hold every one of those positions."""
+        p1 - p0, head_dim]` each, copies on the host (what a saved sequence writes to disk). int8 pools give
+        their rows as stored, each packed with its scale (int8 `[..., head_dim + 4]`, `int8_kv.pack`), so
+        saving and restoring them neither rounds again nor grows them. `seq_id` must hold every one of
+        those positions."""
         self._check_between_steps("seq_read")
         cells = self._cells_at(seq_id, p0, p1)
         if not self.layers[0].is_initialized:
             raise CellCacheError("no forward has run yet: the pools hold no K/V to read")
-        keys = torch.cat([layer.keys.index_select(2, cells.to(self.device)) for layer in self.layers])
-        values = torch.cat([layer.values.index_select(2, cells.to(self.device)) for layer in self.layers])
-        return keys.cpu(), values.cpu()
+        rows = [layer.rows(cells.to(self.device)) for layer in self.layers]
+        return torch.cat([k for k, _ in rows]).cpu(), torch.cat([v for _, v in rows]).cpu()
 
     def seq_load(self, seq_id: int, p0: int, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Restore: `seq_id` claims the lowest free cells for positions [p0, p0 + n) and they take `keys`,
@@ -248,11 +213,7 @@ class CellCache(Cache):
         if keys.dim() != 4 or values.dim() != 4 or keys.shape[:3] != values.shape[:3] or keys.shape[0] != len(self.layers):
             raise CellCacheError(f"seq_load takes [n_layers={len(self.layers)}, heads, n, head_dim] K and V, "
                                  f"got {tuple(keys.shape)} and {tuple(values.shape)}")
-        layer0 = self.layers[0]
-        if layer0.is_initialized and (keys.shape[1:2] + keys.shape[3:] != layer0.keys.shape[1:2] + layer0.keys.shape[3:]
-                                      or values.shape[3] != layer0.values.shape[3] or keys.dtype != layer0.dtype):
-            raise CellCacheError(f"K/V of shape {tuple(keys.shape)} ({keys.dtype}) do not fit pools of "
-                                 f"{tuple(layer0.keys.shape)} ({layer0.dtype}): they come from another model")
+        self._check_rows(keys, values)
         if n == 0:
             return
         if (self.owner[seq_id, : self.read_len] & (self.pos[: self.read_len] >= p0)
@@ -263,18 +224,35 @@ class CellCache(Cache):
             raise CacheFull(n, int(free.numel()))
         cells = free[:n]
         with torch.inference_mode():  # pools a forward allocated are inference tensors: written in that mode only
+            extra = int8_kv.SCALE_BYTES if self.kv_dtype == torch.int8 else 0  # packed rows carry their scale
             for i, layer in enumerate(self.layers):
                 if not layer.is_initialized:
-                    layer.lazy_initialization(keys[i : i + 1, :, :1].to(self.device),
-                                              values[i : i + 1, :, :1].to(self.device))
-                dev_cells = cells.to(self.device)
-                layer.keys.index_copy_(2, dev_cells, keys[i : i + 1].to(self.device, layer.dtype))
-                layer.values.index_copy_(2, dev_cells, values[i : i + 1].to(self.device, layer.dtype))
+                    layer.lazy_initialization(keys[i : i + 1, :, :1, : keys.shape[3] - extra].to(self.device),
+                                              values[i : i + 1, :, :1, : values.shape[3] - extra].to(self.device))
+                layer.load_rows(cells.to(self.device), keys[i : i + 1], values[i : i + 1])
         self.owner[seq_id, cells] = True
         self.n_owners[cells] = 1
         self.pos[cells] = torch.arange(p0, p0 + n)
         self.read_len = max(self.read_len, int(cells[-1]) + 1)
         self._n_used += n
+
+    def _check_rows(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """`seq_load`'s K/V must be rows as this cache's `seq_read` gives them: the same kind (int8 packed with
+        scales, or float), and once the pools exist, their heads, widths and dtype."""
+        int8_pools = self.kv_dtype == torch.int8
+        if (keys.dtype == torch.int8) != int8_pools or (values.dtype == torch.int8) != int8_pools:
+            raise CellCacheError(f"K/V of dtype {keys.dtype} do not fit {'int8' if int8_pools else 'float'} KV pools: "
+                                 f"they were saved with another --kv-cache-dtype")
+        layer0 = self.layers[0]
+        if not layer0.is_initialized:
+            return
+        extra = int8_kv.SCALE_BYTES if int8_pools else 0
+        want_k = (layer0.keys.shape[1], layer0.keys.shape[3] + extra)
+        want_v = (layer0.values.shape[1], layer0.values.shape[3] + extra)
+        if ((keys.shape[1], keys.shape[3]) != want_k or (values.shape[1], values.shape[3]) != want_v
+                or (not int8_pools and keys.dtype != layer0.dtype)):
+            raise CellCacheError(f"K/V of shape {tuple(keys.shape)} ({keys.dtype}) do not fit pools of "
+                                 f"{tuple(layer0.keys.shape)} ({layer0.dtype}): they come from another model")
 
     def take_layer(self, layer_idx: int) -> StepPlan:
         """Called by each layer's `update`: the current plan, once per layer per step."""

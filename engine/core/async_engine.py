@@ -71,6 +71,7 @@ class AsyncEngine:
         self.max_model_len = engine.runner.max_model_len
         self.n_cells = engine.cache.n_cells
         self.cell_bytes = engine.runner.cell_bytes
+        self.kv_cache_dtype = engine.runner.kv_cache_dtype
         self.dtype = engine.runner.dtype
         self.prefix_caching = engine.config.prefix_caching
         self._commands: queue.SimpleQueue = queue.SimpleQueue()

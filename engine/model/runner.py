@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from engine.api.errors import ModelSourceError
+from engine.cells import int8_kv
 from engine.cells.cache import DEFAULT_MAX_SEQS, CellCache
 from engine.cells.plan import row_gather_for
 from engine.loader.gguf_tensors import is_gguf_folder, load_gguf_model
@@ -32,13 +33,24 @@ from engine.model.native.model import NativeLlama, native_unsupported
 DEFAULT_N_CELLS = 8192
 
 
-def kv_bytes_per_cell(config, dtype: torch.dtype) -> int:
-    """Bytes one cell (one token's K and V over all layers) takes in the pools."""
+def kv_bytes_per_cell(config, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """Bytes one cell (one token's K and V over all layers) takes in the pools: `dtype`'s size per value, or
+    for int8 cells one byte per value plus a float32 scale per (layer, kv head) row of K and of V."""
     cfg = config.get_text_config()
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    if kv_cache_dtype == "int8":
+        return 2 * cfg.num_hidden_layers * kv_heads * (head_dim + int8_kv.SCALE_BYTES)
     return 2 * cfg.num_hidden_layers * kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+
+def kv_dtype_of(kv_cache_dtype: str) -> torch.dtype | None:
+    """The pools' storage dtype for `--kv-cache-dtype` (None: the model's own); a clear error otherwise."""
+    if kv_cache_dtype not in int8_kv.KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: use one of {', '.join(int8_kv.KV_CACHE_DTYPES)} "
+                         f"(auto: the model's dtype; int8: int8 cells with a scale per cell and kv head)")
+    return torch.int8 if kv_cache_dtype == "int8" else None
 
 
 def max_model_len(config) -> int:
@@ -61,6 +73,11 @@ class ModelRunner:
 
     `tensors`: a GGUF file's weights, quantized linears kept quantized (engine/loader/gguf_tensors.py);
     `model` is then a placeholder skeleton and only the native forward can run it.
+
+    `kv_cache_dtype`: "auto" keeps the cells in the model's dtype; "int8" stores them as int8 with a float32
+    scale per (cell, kv head) (`engine/cells/int8_kv.py`), so a `kv_memory_bytes` budget holds ~2x the cells
+    of bf16 (~4x of float32). The native forward writes and reads them in place (fused kernels, or eager
+    ops dequantizing only the rows a step reads); the transformers path dequantizes the step's read window.
     """
 
     def __init__(
@@ -75,9 +92,11 @@ class ModelRunner:
         attention: str = "fast",
         native: bool | None = None,
         tensors: dict | None = None,
+        kv_cache_dtype: str = "auto",
     ):
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention={attention!r}: choose one of {ATTENTION_PATHS}")
+        kv_dtype = kv_dtype_of(kv_cache_dtype)
         if threads:
             torch.set_num_threads(threads)
         self.model = model.eval()
@@ -90,12 +109,14 @@ class ModelRunner:
         self.device = model.device
         self.dtype = model.dtype
         self.spec = mask_spec_for(model)
-        self.cell_bytes = kv_bytes_per_cell(self.config, self.dtype)
+        self.kv_cache_dtype = kv_cache_dtype
+        self.cell_bytes = kv_bytes_per_cell(self.config, self.dtype, kv_cache_dtype)
         self.max_model_len = max_model_len(self.config)
         if n_cells is None:
             n_cells = kv_memory_bytes // self.cell_bytes if kv_memory_bytes else DEFAULT_N_CELLS
         n_layers = self.config.get_text_config().num_hidden_layers
-        self.cache = CellCache(n_cells, n_layers, max_seqs, compact=attention == "fast", device=self.device)
+        self.cache = CellCache(n_cells, n_layers, max_seqs, compact=attention == "fast", device=self.device,
+                               kv_dtype=kv_dtype)
         self.attention = attention
         if native is None and os.environ.get("CELLSERVE_NATIVE") == "0":  # escape hatch, and A/B benchmarks
             native = False

@@ -57,6 +57,7 @@ async def cache(request: Request) -> dict:
                          "cells": cached, "queried_tokens": s.prefix_queried_tokens,
                          "hit_tokens": s.prefix_hit_tokens},
         "cell_bytes": engine.cell_bytes,
+        "kv_cache_dtype": engine.kv_cache_dtype,
         "pool_bytes": engine.cell_bytes * s.n_cells,
         "read_len": s.read_len,
         "requests": {"running": s.running, "waiting": s.waiting},

@@ -1,7 +1,8 @@
 """The identity saved cells are valid for: which weights computed them, in which dtype and KV layout.
 
-K/V computed by one model mean nothing to another (or to the same model in another dtype), so every cell
-file and archive carries `ModelIdentity` in its header and a reader refuses any that differs. The weights'
+K/V computed by one model mean nothing to another (or to the same model in another dtype, or stored in
+another KV dtype: `--kv-cache-dtype int8` rows are int8 packed with their scales), so every cell file and
+archive carries `ModelIdentity` in its header and a reader refuses any that differs. The weights'
 fingerprint hashes the config and, for every tensor of the state dict, its name, shape, dtype and an evenly
 strided sample of its values (at most `SAMPLE` elements): milliseconds even for a large model, and any
 retrained or differently quantized checkpoint differs in its samples.
@@ -19,7 +20,7 @@ SAMPLE = 1024
 @dataclass(frozen=True)
 class ModelIdentity:
     weights: str  # hex fingerprint of config + weights
-    dtype: str  # the K/V pools' dtype, e.g. "torch.float32"
+    dtype: str  # the K/V pools' dtype, e.g. "torch.float32"; int8 cells: "torch.float32/kv-int8" (model dtype/KV)
     layout: str  # "<layers>x<kv heads>x<head dim k>/<head dim v>"
 
     def to_json(self) -> str:
@@ -51,4 +52,6 @@ def identity_of(runner) -> ModelIdentity:
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     layout = f"{cfg.num_hidden_layers}x{kv_heads}x{head_dim}/{head_dim}"
-    return ModelIdentity(h.hexdigest()[:32], str(runner.dtype), layout)
+    kv = runner.kv_cache_dtype  # int8 cells are another KV dtype: their chunks are not float's
+    dtype = str(runner.dtype) if kv == "auto" else f"{runner.dtype}/kv-{kv}"
+    return ModelIdentity(h.hexdigest()[:32], dtype, layout)

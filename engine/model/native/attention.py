@@ -49,32 +49,30 @@ class Attend:
             part = _Part("dense", everyone, plan.read_idx, masks)
         self.mode, self.parts = part.kind, [part]
 
-    def __call__(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: float, window) -> torch.Tensor:
-        """q `[T, Hq, D]` -> attention output `[T, Hq*D]`."""
+    def __call__(self, q: torch.Tensor, pools, scale: float, window) -> torch.Tensor:
+        """q `[T, Hq, D]` over one layer's pools (a `CellLayer`) -> attention output `[T, Hq*D]`."""
         if self.mode != "split":  # one part, every row
-            return self._run(self.parts[0], q, keys, values, scale, window)
+            return self._run(self.parts[0], q, pools, scale, window)
         out = q.new_empty(self.n_tok, q.shape[1] * q.shape[2])
         for part in self.parts:
-            out[part.rows] = self._run(part, q[part.rows], keys, values, scale, window)
+            out[part.rows] = self._run(part, q[part.rows], pools, scale, window)
         return out
 
-    def _run(self, part: _Part, q, keys, values, scale, window) -> torch.Tensor:
-        """One part's rows of q `[t, Hq, D]` -> `[t, Hq*D]`."""
+    def _run(self, part: _Part, q, pools, scale, window) -> torch.Tensor:
+        """One part's rows of q `[t, Hq, D]` -> `[t, Hq*D]`. int8 pools: the kernel reads them in place; the
+        eager parts dequantize only the rows they read (`CellLayer.read`)."""
         mask = part.masks[window]
+        if part.kind == "cells" and pools.quantized:
+            return torch.ops.cellserve.cell_attention_q8(q.contiguous(), pools.keys, pools.values, pools.k_scale,
+                                                         pools.v_scale, part.cells, mask, scale)
         if part.kind == "cells":
-            return torch.ops.cellserve.cell_attention(q.contiguous(), keys, values, part.cells, mask, scale)
-        k, v = self._read(keys, part.cells), self._read(values, part.cells)
+            return torch.ops.cellserve.cell_attention(q.contiguous(), pools.keys, pools.values, part.cells, mask, scale)
+        k, v = pools.read(part.cells, self.read_len, q.dtype)  # [Hkv, t*L or C, D]
         if part.kind == "sdpa":
             o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
                                                scale=scale, enable_gqa=self.group > 1)
             return o[0].transpose(0, 1).reshape(o.shape[2], -1)
         return self._bmm(q, k, v, mask, scale, part.width)
-
-    def _read(self, pool: torch.Tensor, cells: torch.Tensor | None) -> torch.Tensor:
-        """The K or V rows read, `[Hkv, t*L or C, D]`."""
-        if cells is None:
-            return pool[0, :, : self.read_len]
-        return pool[0].index_select(1, cells)
 
     def _bmm(self, q, k, v, bias, scale, width):
         """Scores, softmax and values by batched matmuls: per row over `width` gathered cells, or every

@@ -15,6 +15,9 @@ OpenMP region), not arithmetic. `NativeLlama` runs the same model from the same 
   cells in place, so a layer runs 9 ops instead of ~35; and at one row (one sequence decoding)
   every linear streams the model's own weights through `small_linear` (about twice oneDNN's speed
   there), with gate|up and SiLU*up in one call, so a layer runs 8.
+- int8 KV cells (`--kv-cache-dtype int8`, engine/cells/int8_kv.py): `rope_store_q8` quantizes each K/V
+  head row as it writes it and `cell_attention_q8` reads the int8 rows in place (a row's scale applied
+  to its dot product and to its softmax weight); the eager parts dequantize only the rows they read.
 
 The transformers modules stay the general path for every other architecture and the oracle the
 tests compare this one against (fp32: same logits within 1e-4, same greedy tokens).
@@ -173,7 +176,7 @@ class NativeLlama:
     def _layer(self, layer: _Layer, x, pools, rope, cells, attend) -> torch.Tensor:
         qkv = layer.qkv(self._norm(x, layer.ln1, layer.eps1))
         q = self._rope_store(qkv, rope, pools, cells)
-        x = layer.o.plus(attend(q, pools.keys, pools.values, layer.scale, layer.window), x)
+        x = layer.o.plus(attend(q, pools, layer.scale, layer.window), x)
         h = self._norm(x, layer.ln2, layer.eps2)
         return layer.down.plus(layer.swiglu(h), x)
 
@@ -185,6 +188,9 @@ class NativeLlama:
     def _rope_store(self, qkv, rope, pools, cells) -> torch.Tensor:
         """RoPE on Q and K, K and V written into their cells; returns Q `[T, Hq, D]`."""
         n_q, n_kv = self.n_heads, self.n_kv
+        if self.fused and pools.quantized:  # int8 cells: each K/V head row quantized as it is written
+            return torch.ops.cellserve.rope_store_q8(qkv, *rope, pools.keys, pools.values, pools.k_scale,
+                                                     pools.v_scale, cells, n_q, n_kv)
         if self.fused:
             return torch.ops.cellserve.rope_store(qkv, *rope, pools.keys, pools.values, cells, n_q, n_kv)
         n_tok, head_dim = qkv.shape[0], self.head_dim
@@ -192,8 +198,7 @@ class NativeLlama:
         qk = qkv[:, : (n_q + n_kv) * head_dim].view(n_tok, n_q + n_kv, head_dim)
         qk = torch.addcmul(qk * cos, qk.roll(head_dim // 2, -1), sin)  # RoPE on Q and K at once
         v = qkv[:, (n_q + n_kv) * head_dim :].view(n_tok, n_kv, head_dim)
-        pools.keys.index_copy_(2, cells, qk[:, n_q:].transpose(0, 1)[None])
-        pools.values.index_copy_(2, cells, v.transpose(0, 1)[None])
+        pools.store(cells, qk[:, n_q:].transpose(0, 1)[None], v.transpose(0, 1)[None])
         return qk[:, :n_q]
 
 

@@ -7,6 +7,11 @@
 //                   pools, Q returned;
 //   cell_attention  one query row per sequence reads its own cells in place from the pools (no
 //                   gathered copy), scores, softmax and values in fp32.
+//   rope_store_q8, cell_attention_q8
+//                   the same over int8 pools with a float32 scale per (cell, kv head) row
+//                   (engine/cells/int8_kv.py): rows are quantized as they are written (absmax / 127,
+//                   round half to even, as torch.round) and read in place, the row's scale applied
+//                   once to its dot product and once to its softmax weight.
 // Inputs are checked here; the Python side decides when to call (CPU, fp32 or bf16, contiguous).
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
@@ -45,7 +50,12 @@ inline __m512 load16(const c10::BFloat16* p) {
   const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
 }
+inline __m512 load16(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
 #endif
+
+inline float to_f(int8_t v) { return static_cast<float>(v); }
 
 template <typename T>
 inline float dot_row(const float* q, const T* row, int64_t dim) {
@@ -112,6 +122,20 @@ inline void rope_row(const T* x, const T* cos, const T* sin, T* out, int64_t dim
     out[i] = static_cast<T>(to_f(x[i]) * to_f(cos[i]) + to_f(x[i - half]) * to_f(sin[i]));
 }
 
+// One row of `dim` floats into int8 and its scale: scale = max|x| / 127, q = round-half-even(x / scale),
+// the rule engine/cells/int8_kv.py's `quantize` follows (a zero row: scale 0, zeros).
+inline void quantize_row(const float* x, int8_t* out, float* scale, int64_t dim) {
+  float amax = 0.f;
+  for (int64_t i = 0; i < dim; ++i) amax = std::max(amax, std::fabs(x[i]));
+  const float s = amax / 127.f;
+  *scale = s;
+  const float div = s == 0.f ? 1.f : s;
+  for (int64_t i = 0; i < dim; ++i) {
+    const float r = std::nearbyint(x[i] / div);
+    out[i] = static_cast<int8_t>(std::min(127.f, std::max(-127.f, r)));
+  }
+}
+
 at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_pool,
                       at::Tensor v_pool, const at::Tensor& cells, int64_t n_q, int64_t n_kv) {
   TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "rope_store: qkv must be a contiguous [tokens, width] tensor");
@@ -159,6 +183,70 @@ at::Tensor rope_store(const at::Tensor& qkv, const at::Tensor& cos, const at::Te
   return q;
 }
 
+// rope_store with int8 pools: K rows are roped and rounded to the model's dtype (as the float pools hold
+// them), then quantized with V's rows into the int8 pools and their scales.
+at::Tensor rope_store_q8(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin, at::Tensor k_pool,
+                         at::Tensor v_pool, at::Tensor k_scale, at::Tensor v_scale, const at::Tensor& cells,
+                         int64_t n_q, int64_t n_kv) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "rope_store_q8: qkv must be a contiguous [tokens, width] tensor");
+  const int64_t n_tok = qkv.size(0);
+  TORCH_CHECK(k_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.sizes() == v_pool.sizes() &&
+                  k_pool.scalar_type() == at::kChar && v_pool.scalar_type() == at::kChar,
+              "rope_store_q8: pools must be contiguous int8 [1, n_kv, n_cells, head_dim] tensors of one shape");
+  const int64_t n_cells = k_pool.size(2), dim = k_pool.size(3);
+  TORCH_CHECK(k_scale.scalar_type() == at::kFloat && v_scale.scalar_type() == at::kFloat && k_scale.is_contiguous() &&
+                  v_scale.is_contiguous() && k_scale.numel() == n_kv * n_cells && v_scale.numel() == n_kv * n_cells,
+              "rope_store_q8: scales must be contiguous float32 [1, n_kv, n_cells]");
+  TORCH_CHECK(k_pool.size(1) == n_kv && qkv.size(1) == (n_q + 2 * n_kv) * dim,
+              "rope_store_q8: qkv width must be (n_q + 2 n_kv) * head_dim of the pools");
+  TORCH_CHECK(cos.sizes() == sin.sizes() && cos.dim() == 2 && cos.size(0) == n_tok && cos.size(1) == dim &&
+                  cos.is_contiguous() && sin.is_contiguous(),
+              "rope_store_q8: cos and sin must be contiguous [tokens, head_dim]");
+  TORCH_CHECK(cells.scalar_type() == at::kLong && cells.numel() == n_tok && cells.is_contiguous(),
+              "rope_store_q8: cells must be int64 [tokens]");
+  TORCH_CHECK(qkv.scalar_type() == cos.scalar_type() && qkv.scalar_type() == sin.scalar_type(),
+              "rope_store_q8: qkv, cos and sin must share one dtype");
+  auto q = at::empty({n_tok, n_q, dim}, qkv.options());
+  const int64_t* cell = cells.data_ptr<int64_t>();
+  for (int64_t t = 0; t < n_tok; ++t)
+    TORCH_CHECK(cell[t] >= 0 && cell[t] < n_cells, "rope_store_q8: cell index out of range");
+  dispatch(qkv.scalar_type(), "rope_store_q8", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    const scalar_t* src = qkv.data_ptr<scalar_t>();
+    const scalar_t* c = cos.data_ptr<scalar_t>();
+    const scalar_t* s = sin.data_ptr<scalar_t>();
+    scalar_t* qo = q.data_ptr<scalar_t>();
+    int8_t* kp = k_pool.data_ptr<int8_t>();
+    int8_t* vp = v_pool.data_ptr<int8_t>();
+    float* ks = k_scale.data_ptr<float>();
+    float* vs = v_scale.data_ptr<float>();
+    const int64_t width = qkv.size(1), heads = n_q + 2 * n_kv;
+    at::parallel_for(0, n_tok * heads, 64, [&](int64_t begin, int64_t end) {
+      thread_local std::vector<scalar_t> roped;
+      thread_local std::vector<float> row;
+      roped.resize(static_cast<size_t>(dim));
+      row.resize(static_cast<size_t>(dim));
+      for (int64_t i = begin; i < end; ++i) {
+        const int64_t t = i / heads, h = i % heads;
+        const scalar_t* x = src + t * width + h * dim;
+        if (h < n_q) {
+          rope_row(x, c + t * dim, s + t * dim, qo + (t * n_q + h) * dim, dim);
+          continue;
+        }
+        const bool is_k = h < n_q + n_kv;
+        const int64_t r = ((is_k ? h - n_q : h - n_q - n_kv) * n_cells + cell[t]);
+        if (is_k) {
+          rope_row(x, c + t * dim, s + t * dim, roped.data(), dim);
+          x = roped.data();
+        }
+        for (int64_t d = 0; d < dim; ++d) row[d] = to_f(x[d]);
+        quantize_row(row.data(), (is_k ? kp : vp) + r * dim, (is_k ? ks : vs) + r, dim);
+      }
+    });
+  });
+  return q;
+}
+
 // Every cache line of a pool row: rows of one sequence lie strided through the pool (decodes of many
 // sequences interleave), out of the hardware prefetcher's reach, and come from DRAM after a layer's
 // weights have streamed through the caches.
@@ -168,10 +256,11 @@ inline void prefetch_row(const T* row, int64_t dim) {
   for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b);
 }
 
-template <typename T>
-void attention_kernel(const T* q, const T* kp, const T* vp, const int64_t* idx, const float* bias, T* out,
-                      int64_t n_tok, int64_t n_q, int64_t n_kv, int64_t n_cells, int64_t dim, int64_t width,
-                      float scale) {
+// KV is T (float pools) or int8_t (int8 pools, with `ks`/`vs` the rows' scales; nullptr for float pools).
+template <typename T, typename KV>
+void attention_kernel(const T* q, const KV* kp, const KV* vp, const float* ks, const float* vs, const int64_t* idx,
+                      const float* bias, T* out, int64_t n_tok, int64_t n_q, int64_t n_kv, int64_t n_cells,
+                      int64_t dim, int64_t width, float scale) {
   const int64_t group = n_q / n_kv;
   constexpr int64_t kAhead = 16;  // rows fetched ahead (see prefetch_row)
   const float neg_inf = -std::numeric_limits<float>::infinity();
@@ -202,10 +291,11 @@ void attention_kernel(const T* q, const T* kp, const T* vp, const int64_t* idx, 
         }
         // checked where read (masked entries are never read): no extra pass over idx every layer
         TORCH_CHECK(cols[l] >= 0 && cols[l] < n_cells, "cell_attention: cell index out of range");
-        const T* kr = kp + (h * n_cells + cols[l]) * dim;
+        const KV* kr = kp + (h * n_cells + cols[l]) * dim;
         if (l + kAhead < width) prefetch_row(kp + (h * n_cells + cols[l + kAhead]) * dim, dim);
+        const float kscale = ks ? ks[h * n_cells + cols[l]] : 1.f;
         for (int64_t g = 0; g < group; ++g) {
-          const float s = dot_row(qf + g * dim, kr, dim) + b[l];
+          const float s = dot_row(qf + g * dim, kr, dim) * kscale + b[l];
           scores[g * width + l] = s;
           mx[g] = std::max(mx[g], s);
         }
@@ -226,9 +316,10 @@ void attention_kernel(const T* q, const T* kp, const T* vp, const int64_t* idx, 
       std::fill(acc, acc + group * dim, 0.f);
       for (int64_t l = 0; l < width; ++l) {  // values: each value row is read once for its G queries
         if (b[l] == neg_inf) continue;
-        const T* vr = vp + (h * n_cells + cols[l]) * dim;
+        const KV* vr = vp + (h * n_cells + cols[l]) * dim;
         if (l + kAhead < width) prefetch_row(vp + (h * n_cells + cols[l + kAhead]) * dim, dim);
-        for (int64_t g = 0; g < group; ++g) axpy_row(acc + g * dim, scores[g * width + l], vr, dim);
+        const float vscale = vs ? vs[h * n_cells + cols[l]] : 1.f;
+        for (int64_t g = 0; g < group; ++g) axpy_row(acc + g * dim, scores[g * width + l] * vscale, vr, dim);
       }
       for (int64_t g = 0; g < group; ++g) {
         T* o = out + (t * n_q + h * group + g) * dim;
@@ -258,9 +349,38 @@ at::Tensor cell_attention(const at::Tensor& q, const at::Tensor& k_pool, const a
   auto out = at::empty({n_tok, n_q * dim}, q.options());
   dispatch(q.scalar_type(), "cell_attention", [&](auto tag) {
     using scalar_t = decltype(tag);
-    attention_kernel<scalar_t>(q.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(), cols,
-                               bias.data_ptr<float>(), out.data_ptr<scalar_t>(), n_tok, n_q, n_kv, n_cells, dim,
-                               idx.size(1), static_cast<float>(scale));
+    attention_kernel<scalar_t, scalar_t>(q.data_ptr<scalar_t>(), k_pool.data_ptr<scalar_t>(), v_pool.data_ptr<scalar_t>(),
+                                         nullptr, nullptr, cols, bias.data_ptr<float>(), out.data_ptr<scalar_t>(), n_tok,
+                                         n_q, n_kv, n_cells, dim, idx.size(1), static_cast<float>(scale));
+  });
+  return out;
+}
+
+at::Tensor cell_attention_q8(const at::Tensor& q, const at::Tensor& k_pool, const at::Tensor& v_pool,
+                             const at::Tensor& k_scale, const at::Tensor& v_scale, const at::Tensor& idx,
+                             const at::Tensor& bias, double scale) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous(), "cell_attention_q8: q must be a contiguous [tokens, n_q, head_dim] tensor");
+  TORCH_CHECK(k_pool.dim() == 4 && k_pool.is_contiguous() && v_pool.is_contiguous() && k_pool.sizes() == v_pool.sizes() &&
+                  k_pool.scalar_type() == at::kChar && v_pool.scalar_type() == at::kChar,
+              "cell_attention_q8: pools must be contiguous int8 [1, n_kv, n_cells, head_dim] tensors of one shape");
+  const int64_t n_tok = q.size(0), n_q = q.size(1), dim = q.size(2);
+  const int64_t n_kv = k_pool.size(1), n_cells = k_pool.size(2);
+  TORCH_CHECK(k_pool.size(3) == dim && n_q % n_kv == 0, "cell_attention_q8: q heads must be a multiple of the pools' heads");
+  TORCH_CHECK(k_scale.scalar_type() == at::kFloat && v_scale.scalar_type() == at::kFloat && k_scale.is_contiguous() &&
+                  v_scale.is_contiguous() && k_scale.numel() == n_kv * n_cells && v_scale.numel() == n_kv * n_cells,
+              "cell_attention_q8: scales must be contiguous float32 [1, n_kv, n_cells]");
+  TORCH_CHECK(idx.dim() == 2 && idx.size(0) == n_tok && idx.scalar_type() == at::kLong && idx.is_contiguous(),
+              "cell_attention_q8: idx must be a contiguous int64 [tokens, width] tensor");
+  TORCH_CHECK(bias.sizes() == idx.sizes() && bias.scalar_type() == at::kFloat && bias.is_contiguous(),
+              "cell_attention_q8: bias must be a contiguous float32 tensor shaped like idx");
+  const int64_t* cols = idx.data_ptr<int64_t>();
+  auto out = at::empty({n_tok, n_q * dim}, q.options());
+  dispatch(q.scalar_type(), "cell_attention_q8", [&](auto tag) {
+    using scalar_t = decltype(tag);
+    attention_kernel<scalar_t, int8_t>(q.data_ptr<scalar_t>(), k_pool.data_ptr<int8_t>(), v_pool.data_ptr<int8_t>(),
+                                       k_scale.data_ptr<float>(), v_scale.data_ptr<float>(), cols, bias.data_ptr<float>(),
+                                       out.data_ptr<scalar_t>(), n_tok, n_q, n_kv, n_cells, dim, idx.size(1),
+                                       static_cast<float>(scale));
   });
   return out;
 }
@@ -272,10 +392,16 @@ TORCH_LIBRARY(cellserve, m) {
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor cells, "
         "int n_q, int n_kv) -> Tensor");
   m.def("cell_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor idx, Tensor bias, float scale) -> Tensor");
+  m.def("rope_store_q8(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, "
+        "Tensor(c!) k_scale, Tensor(d!) v_scale, Tensor cells, int n_q, int n_kv) -> Tensor");
+  m.def("cell_attention_q8(Tensor q, Tensor k_pool, Tensor v_pool, Tensor k_scale, Tensor v_scale, Tensor idx, "
+        "Tensor bias, float scale) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(cellserve, CPU, m) {
   m.impl("rms_norm", &rms_norm);
   m.impl("rope_store", &rope_store);
   m.impl("cell_attention", &cell_attention);
+  m.impl("rope_store_q8", &rope_store_q8);
+  m.impl("cell_attention_q8", &cell_attention_q8);
 }

@@ -96,6 +96,11 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "(output unchanged): auto drafts while at most 4 sequences decode, ngram always, off never")
     p.add_argument("--num-speculative-tokens", type=_positive_int, default=ENGINE.num_speculative_tokens,
                    help="the longest draft a sequence carries into one step (1-16)")
+    p.add_argument("--draft-model", default=ENGINE.draft_model,
+                   help="a draft model of the target's tokenizer (a folder, a .gguf file or a known name, as "
+                        "--model): drafts where no n-gram draft exists, on its own cell pool (speculative auto/ngram)")
+    p.add_argument("--draft-dtype", default=ENGINE.draft_dtype, choices=["auto", "float32", "bfloat16", "float16", "quantized"],
+                   help="the draft model's dtype, as --dtype (auto: a .gguf's own quantized blocks where they run)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="turn automatic prefix sharing off (finished requests free their cells at once)")
     p.add_argument("--state-dir", default=None,

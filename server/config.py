@@ -35,6 +35,7 @@ def engine_args_of(args: argparse.Namespace) -> EngineArgs:
                       max_queue=args.max_queue, seq_ttl_s=args.seq_ttl, threads=args.threads,
                       attention=args.attention, prefix_caching=not args.no_prefix_cache,
                       speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
+                      draft_model=args.draft_model, draft_dtype=args.draft_dtype,
                       state_dir=args.state_dir, state_max_bytes=args.state_max_bytes, state_eager=args.state_eager)
 
 
@@ -49,6 +50,8 @@ def engine_factory(args: argparse.Namespace) -> Callable[[], object]:
         engine_args, name = resolve_args(engine_args_of(args))
         log.info("loading model %s from %s%s", name, engine_args.model, "" if args.model else " (the bundled model)")
         engine = AsyncEngine.from_args(engine_args, model_name=name)
+        if engine_args.draft_model is not None:
+            log.info("draft model %s (dtype %s) drafts for speculative decoding", engine_args.draft_model, args.draft_dtype)
         pool = engine.n_cells * engine.cell_bytes
         log.info("loaded %s (%s%s, context %d tokens); cell pool: %d cells x %d B = %s (KV %s); prefix cache %s",
                  engine.model_name, engine.dtype, _quantized(args.quantize), engine.max_model_len, engine.n_cells,

@@ -7,13 +7,14 @@ import time
 import httpx
 
 from server.bench.client import RequestOptions, build_request, stream_request
+from server.bench.copying import CopyWorkload
 from server.bench.forktree import run_tree
 from server.bench.multiturn import MultiTurnWorkload, run_conversation
 from server.bench.records import RequestRecord
 from server.bench.runner import Job
 from server.bench.workloads import ForkTreeWorkload, RandomWorkload, SharedPrefixWorkload
 
-Workload = RandomWorkload | SharedPrefixWorkload | ForkTreeWorkload | MultiTurnWorkload
+Workload = RandomWorkload | SharedPrefixWorkload | ForkTreeWorkload | MultiTurnWorkload | CopyWorkload
 
 
 def make_job(workload: Workload, opts: RequestOptions, base_url: str) -> tuple[Job, int]:

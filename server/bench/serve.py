@@ -19,6 +19,7 @@ import sys
 import httpx
 
 from server.bench.client import RequestOptions, fetch_default_model
+from server.bench.copying import CopyWorkload
 from server.bench.forktree import probe_sequences
 from server.bench.jobs import Workload, make_job
 from server.bench.metrics import Slo, Summary, parse_slo, summarize
@@ -66,8 +67,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--duration", type=float, help="stop issuing new requests after this many seconds")
     g.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival times")
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=["random", "shared-prefix", "fork-tree", "multi-turn"], default="random",
-                   help="multi-turn: conversations resending their history through /v1/chat/completions")
+    g.add_argument("--workload", choices=["random", "shared-prefix", "fork-tree", "multi-turn", "edit", "quote"],
+                   default="random", help="multi-turn: conversations resending their history through "
+                   "/v1/chat/completions; edit / quote: answers that repeat the prompt (chat endpoint)")
     g.add_argument("--input-len", type=int, default=256, help="prompt words (about one token each)")
     g.add_argument("--output-len", type=int, default=128, help="max_tokens per request")
     g.add_argument("--range-ratio", type=float, default=0.0, help="lengths vary uniformly by +-this fraction")
@@ -137,6 +139,10 @@ def build_workload(args: argparse.Namespace) -> Workload:
             return ForkTreeWorkload(branches=args.branches, branch_len=args.branch_len, **common)
         if args.workload == "multi-turn":
             return MultiTurnWorkload(turns=args.turns, system_len=args.system_len, **common)
+        if args.workload in ("edit", "quote"):
+            if args.endpoint != "chat":
+                raise ValueError(f"--workload {args.workload} asks a chat model to copy: add --endpoint chat")
+            return CopyWorkload(kind=args.workload, **common)
         return RandomWorkload(**common)
     except ValueError as exc:
         raise UsageError(str(exc)) from None

@@ -140,12 +140,17 @@ def _stop(proc: subprocess.Popen) -> None:
 
 
 def server_cmd(kind: str, args: argparse.Namespace, port: int) -> list[str]:
+    """Both servers with the same KV budget (`--n-ctx` tokens), threads and batch size."""
     if kind == "llama-server":
+        # ggml's repacked (AMX) path can die with SIGILL on VMs that advertise AMX: --no-repack there
+        repack = ["--no-repack"] if "amx_int8" in Path("/proc/cpuinfo").read_text() else []
         return [str(ANCHOR / "bin" / "llama-server"), "-m", args.gguf, "--host", "127.0.0.1", "--port", str(port),
-                "-np", "32", "-c", str(32 * 512), "-t", str(args.threads), "-b", "2048", "-ub", "512"]
+                "-np", str(args.parallel), "-c", str(args.n_ctx), "-t", str(args.threads), "-b", "2048",
+                "-ub", "512", *repack, *args.llama_args.split()]
     return [sys.executable, "-m", "server.cli", "serve", "--model", args.model, "--dtype", args.dtype,
             "--threads", str(args.threads), "--host", "127.0.0.1", "--port", str(port),
-            "--max-num-batched-tokens", "2048", "--n-cells", "16384", "--log-level", "warning"]
+            "--max-num-batched-tokens", "2048", "--n-cells", str(args.n_ctx), "--log-level", "warning",
+            *args.cellserve_args.split()]
 
 
 def bench_cmd(url: str, c: int, n: int, args: argparse.Namespace, out: Path, output_len: int) -> list[str]:
@@ -223,7 +228,7 @@ def run(args: argparse.Namespace) -> int:
     rows: list[dict] = []
     order = ["llama-server", "cellserve"] if not args.cellserve_first else ["cellserve", "llama-server"]
     for k in range(args.rounds):
-        for kind in order:
+        for kind in [o for o in order if o not in args.skip.split(",")]:
             row = one_server(kind, args, work, f"r{k}.{kind}")
             row["round"] = k
             rows.append(row)
@@ -241,8 +246,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("dst")
     r = sub.add_parser("run", help="alternate llama-server and cellserve under `bench serve`")
     r.add_argument("--gguf", required=True, help="the model for llama-server")
-    r.add_argument("--model", required=True, help="the same model as a folder, for cellserve")
-    r.add_argument("--dtype", default="float32", help="cellserve --dtype (match the GGUF's)")
+    r.add_argument("--model", required=True, help="the same model for cellserve: a folder, or the GGUF itself")
+    r.add_argument("--dtype", default="float32", help="cellserve --dtype (match the GGUF's; auto serves a quantized GGUF as it is)")
     r.add_argument("--threads", type=int, default=2)
     r.add_argument("--concurrency", default="1,8,32")
     r.add_argument("--rounds", type=int, default=2)
@@ -252,6 +257,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--output-len", type=int, default=128)
     r.add_argument("--extra-body", default="", help="JSON merged into every request (e.g. a logit_bias)")
     r.add_argument("--port", type=int, default=8390)
+    r.add_argument("--n-ctx", type=int, default=16384, help="KV budget in tokens on both (llama -c, cellserve --n-cells)")
+    r.add_argument("--parallel", type=int, default=32, help="llama-server -np (its slots; -c is split among them)")
+    r.add_argument("--llama-args", default="", help="more llama-server flags (e.g. '--spec-type ngram-simple')")
+    r.add_argument("--cellserve-args", default="", help="more `cellserve serve` flags (e.g. '--speculative off')")
+    r.add_argument("--skip", default="", help="server kinds not to run (llama-server or cellserve)")
     r.add_argument("--cellserve-first", action="store_true")
     r.add_argument("--out", required=True, help="folder for logs and every bench JSON")
     g = sub.add_parser("plot", help="chart of several `run` folders")

@@ -30,6 +30,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
 from server.bench.arrivals import arrival_times, inter_arrival_gaps
+from server.bench.copying import CopyWorkload
 from server.bench.metrics import Slo, parse_slo, percentile, summarize
 from server.bench.records import RequestRecord
 from server.bench.serve import add_parser, main, main_with_subcommand
@@ -346,6 +347,22 @@ def test_workloads_are_deterministic_and_shaped():
         RandomWorkload(range_ratio=1.0)
 
 
+def test_copy_workloads_repeat_their_prompt_and_vary():
+    edit = [CopyWorkload(kind="edit", input_len=40, output_len=99, seed=2).prompt(i) for i in range(5)]
+    assert edit == [CopyWorkload(kind="edit", input_len=40, output_len=99, seed=2).prompt(i) for i in range(5)]
+    assert len({p.user for p in edit}) == 5 and all(p.max_tokens == 99 for p in edit)
+    for p in edit:  # the function named in the instruction is defined and called in the code
+        name = p.user.split("`")[1]
+        code = p.user.split("```python\n")[1]
+        assert f"def {name}(" in code and f"{name}(1, 2)" in code and len(code.split()) >= 40
+        compile(code.rstrip("`"), "<edit>", "exec")
+    quote = CopyWorkload(kind="quote", input_len=50, seed=2).prompt(0)
+    text = quote.user.split("\n\n", 1)[1]
+    assert quote.user.startswith("Repeat the following passage") and len(text.split()) >= 50
+    with pytest.raises(ValueError, match="edit or quote"):
+        CopyWorkload(kind="summary")
+
+
 # ---------------------------------------------------------------- end to end against the fake
 
 
@@ -462,7 +479,8 @@ def test_unreachable_server_and_usage_errors(tmp_path, capsys):
     assert "cannot reach" in capsys.readouterr().err
     for argv in (["--slo", "fast"], ["--request-rate", "inf", "--duration", "5"],
                  ["--request-rate", "1,2", "--concurrency", "1,2"], ["--concurrency", "0"],
-                 ["--extra-body", "[1]"], ["--range-ratio", "2"], ["--endpoint", "nope"]):
+                 ["--extra-body", "[1]"], ["--range-ratio", "2"], ["--endpoint", "nope"],
+                 ["--workload", "quote"]):  # a copy workload needs --endpoint chat
         assert main(["--url", "http://127.0.0.1:9", *argv]) == 2, argv
     assert main_with_subcommand(["run"]) == 2
     assert main_with_subcommand(["serve", "--help"]) == 0

@@ -25,6 +25,7 @@ class Linear:
     def __init__(self, weights: list[torch.Tensor], bias: torch.Tensor | None = None, gemv: bool = False):
         self.parts = [w.detach().contiguous() for w in weights]
         w = self.parts[0] if len(self.parts) == 1 else torch.cat(self.parts)
+        self.out_features, self.in_features = w.shape  # as nn.Linear has them (GroupLinear sums the parts')
         self.bias = None if bias is None else bias.detach().contiguous()
         self.packed = _pack(w)
         # The packed copy replaces the weight, unless one-row calls read it as a GEMV (the LM head:

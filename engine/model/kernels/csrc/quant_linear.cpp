@@ -85,14 +85,21 @@ inline __m512 load_scales(const c10::Half* s, int64_t p, bool half, const __m512
   return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_cvtph_ps(raw)));
 }
 
-// `count` bytes at `src` (unsigned, or signed when SIGNED) as floats spread over the lanes by `idx`.
-template <bool SIGNED>
-inline __m512 load_bytes(const uint8_t* src, int count, const __m512i& idx) {
-  int32_t raw = 0;
-  std::memcpy(&raw, src, count);
-  const __m128i v = _mm_cvtsi32_si128(raw);
-  const __m512i i32 = SIGNED ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
-  return _mm512_permutexvar_ps(idx, _mm512_cvtepi32_ps(i32));
+// K-quants: the block scales of super-block s (4 pairs, 8 blocks of 32) as floats, d (and -m) applied once:
+// lanes [0, 8) the 8 blocks (q4_k, q5_k), or lanes [0, 16) the 16 groups of 16 (q6_k). Converting them once a
+// super-block instead of once a pair takes ~10 of the ~27 instructions a pair off the one-row decode loop.
+// `blocks` (< 8 only in a row's last, partial super-block) bounds the bytes read.
+template <int KIND>
+inline void super_scales(const Row& r, int64_t s, int64_t blocks, __m512* dsc, __m512* msc) {
+  const int64_t per = KIND == Q6_K ? 16 : 8;  // scale bytes a super-block
+  const __mmask16 mask = static_cast<__mmask16>((1u << (KIND == Q6_K ? 2 * blocks : blocks)) - 1);
+  const __m128i raw = _mm_maskz_loadu_epi8(mask, r.sc + s * per);
+  const __m512i i32 = KIND == Q6_K ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw);
+  *dsc = _mm512_mul_ps(_mm512_cvtepi32_ps(i32), _mm512_set1_ps(half_to_float(r.d[s])));
+  if (KIND == Q4_K || KIND == Q5_K) {
+    const __m128i mraw = _mm_maskz_loadu_epi8(mask, r.mn + s * per);
+    *msc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mraw)), _mm512_set1_ps(-half_to_float(r.m[s])));
+  }
 }
 
 template <int KIND, int M>
@@ -105,18 +112,24 @@ void dot_rows(const Row& r, int64_t nb, const Activation* act, float* out) {
   constexpr bool has_m = KIND == Q4_1 || KIND == Q4_K || KIND == Q5_K;
   __m512 acc[M];
   for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_ps();
+  __m512 dsc = _mm512_setzero_ps(), msc = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     const bool half = 2 * p + 1 == nb;
     const __m512i w = load_pair<KIND>(r, p, half);
     __m512 dv, mv = _mm512_setzero_ps();
-    if (KIND == Q8_0 || KIND == Q4_0 || KIND == Q4_1) {
+    if constexpr (KIND == Q8_0 || KIND == Q4_0 || KIND == Q4_1) {
       dv = load_scales(r.d, p, half, idx);
       if (KIND == Q4_1) mv = load_scales(r.m, p, half, idx);
-    } else if (KIND == Q6_K) {
-      dv = _mm512_mul_ps(load_bytes<true>(r.sc + p * 4, 4, idx6), _mm512_set1_ps(half_to_float(r.d[p / 4])));
     } else {
-      dv = _mm512_mul_ps(load_bytes<false>(r.sc + p * 2, 2, idx), _mm512_set1_ps(half_to_float(r.d[p / 4])));
-      mv = _mm512_mul_ps(load_bytes<false>(r.mn + p * 2, 2, idx), _mm512_set1_ps(-half_to_float(r.m[p / 4])));
+      const int64_t j = p % 4;  // the pair's place in its super-block
+      if (j == 0) super_scales<KIND>(r, p / 4, std::min<int64_t>(8, nb - 2 * p), &dsc, &msc);
+      if constexpr (KIND == Q6_K) {
+        dv = _mm512_permutexvar_ps(_mm512_add_epi32(idx6, _mm512_set1_epi32(static_cast<int>(4 * j))), dsc);
+      } else {
+        const __m512i at = _mm512_add_epi32(idx, _mm512_set1_epi32(static_cast<int>(2 * j)));
+        dv = _mm512_permutexvar_ps(at, dsc);
+        mv = _mm512_permutexvar_ps(at, msc);
+      }
     }
     for (int i = 0; i < M; ++i) {
       const Activation& a = act[i];

@@ -94,13 +94,18 @@ def plot_side_by_side(runs: list[str], path: str) -> None:
 
     fig, axes = plt.subplots(1, len(runs), figsize=(3.2 * len(runs), 3.2), squeeze=False)
     for ax, folder in zip(axes[0], runs):
-        for r in json.loads((Path(folder) / "rows.json").read_text())["rows"]:
+        rows = json.loads((Path(folder) / "rows.json").read_text())["rows"]
+        rss = {r["server"]: r["rss_mb"] for r in rows if r["round"] == 0 and "rss_mb" in r}
+        for r in rows:
             cs = sorted(int(c) for c in r["levels"])
             ax.plot(cs, [r["levels"][str(c)]["tok_s"] for c in cs], marker="o", alpha=0.8,
                     color="tab:blue" if r["server"] == "cellserve" else "tab:orange",
                     label=r["server"] if r["round"] == 0 else None)
         ax.set_xscale("log", base=2)
-        ax.set_title(Path(folder).name.removeprefix("sbs-"), fontsize="small")
+        title = Path(folder).name.removeprefix("sbs-")
+        if rss:  # peak RSS of each server's process tree in the first round
+            title += "\npeak RSS " + " / ".join(f"{k} {v / 1024:.1f} GB" for k, v in sorted(rss.items()))
+        ax.set_title(title, fontsize="small")
         ax.set_xlabel("streaming clients")
         ax.grid(True, alpha=0.3)
     axes[0][0].set_ylabel("output tok/s")

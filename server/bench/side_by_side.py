@@ -156,9 +156,9 @@ def server_cmd(kind: str, args: argparse.Namespace, port: int) -> list[str]:
 def bench_cmd(url: str, c: int, n: int, args: argparse.Namespace, out: Path, output_len: int) -> list[str]:
     cmd = [sys.executable, "-m", "server.cli", "bench", "serve", "--url", url, "--concurrency", str(c),
            "--num-requests", str(n), "--duration", str(args.duration), "--input-len", str(args.input_len),
-           "--output-len", str(output_len), "--ignore-eos", "--seed", "0", "--no-progress",
-           "--timeout", "300", "--out", str(out)]
-    return cmd + (["--extra-body", args.extra_body] if args.extra_body else [])
+           "--output-len", str(output_len), "--seed", "0", "--no-progress", "--timeout", "300", "--out", str(out)]
+    cmd += [] if args.stop_at_eos else ["--ignore-eos"]
+    return cmd + (["--extra-body", args.extra_body] if args.extra_body else []) + args.bench_args.split()
 
 
 def one_server(kind: str, args: argparse.Namespace, work: Path, tag: str) -> dict:
@@ -261,6 +261,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--parallel", type=int, default=32, help="llama-server -np (its slots; -c is split among them)")
     r.add_argument("--llama-args", default="", help="more llama-server flags (e.g. '--spec-type ngram-simple')")
     r.add_argument("--cellserve-args", default="", help="more `cellserve serve` flags (e.g. '--speculative off')")
+    r.add_argument("--bench-args", default="", help="more `cellserve bench serve` flags (e.g. '--workload quote "
+                   "--endpoint chat')")
+    r.add_argument("--stop-at-eos", action="store_true", help="let answers end at EOS (default: ignore_eos)")
     r.add_argument("--skip", default="", help="server kinds not to run (llama-server or cellserve)")
     r.add_argument("--cellserve-first", action="store_true")
     r.add_argument("--out", required=True, help="folder for logs and every bench JSON")

@@ -16,6 +16,7 @@ import sys
 import threading
 
 from engine.api.args import KV_CACHE_DTYPES, QUANTIZE_MODES, EngineArgs
+from engine.api.cpu import auto_float_dtype
 from server.config import (
     KEEP_ALIVE_S,
     engine_factory,
@@ -75,10 +76,11 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     p.add_argument("--dtype", default=ENGINE.dtype, choices=["auto", "float32", "bfloat16", "float16", "quantized"],
-                   help="model dtype (auto: as saved, and a quantized .gguf of a Llama/Qwen2 model served "
-                        "quantized; quantized: a .gguf's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K blocks run as they are, "
-                        "the file's bytes in memory; float32/bfloat16: a .gguf dequantized to it once; "
-                        "bfloat16 is ~2x faster than float32 on CPUs with AVX512-BF16)")
+                   help="model dtype (auto: a float model in bfloat16 on CPUs with AVX512-BF16 or AMX, "
+                        f"float32 elsewhere (this CPU: {auto_float_dtype()}), and a quantized .gguf of a "
+                        "Llama/Qwen2 model served quantized; quantized: a .gguf's Q8_0/Q4_0/Q4_1/Q4_K/Q5_K/Q6_K "
+                        "blocks run as they are, the file's bytes in memory; float32/bfloat16: a .gguf "
+                        "dequantized to it once; bfloat16 is ~2x faster than float32 on CPUs with AVX512-BF16)")
     p.add_argument("--quantize", default=ENGINE.quantize, choices=list(QUANTIZE_MODES),
                    help="quantize a float folder's linears at load, weight-only in blocks of 32 (int8: Q8_0, "
                         "~1/4 of float32's bytes; int4: Q4_1, ~1/6; the LM head Q8_0) and run them on the "

@@ -31,7 +31,7 @@ class Greedy:
     def __init__(self, model_dir: str):
         from engine.core.llm import LLM
 
-        self.llm = LLM(model=model_dir, n_cells=2048)
+        self.llm = LLM(model=model_dir, dtype="float32", n_cells=2048)  # the servers' dtype (LiveServer, ServerProcess)
         self.tokenizer = self.llm.tokenizer
 
     def __call__(self, prompt_ids: list[int], max_tokens: int, **kw):
@@ -49,6 +49,10 @@ class LiveServer:
         """`factory`: build the engine lazily through it instead (the app loads it in the background).
         `limits`: a `server.limits.Limits` (request limits), else the defaults."""
         engine_kw.setdefault("n_cells", 2048)
+        # float32, as the references (Greedy, the cacheless oracles) run: `auto` would be bf16 on CPUs with
+        # AVX512-BF16, whose rounding can turn a near-tie of the tiny model's logits (tests/engine/api/test_cpu.py
+        # checks auto against the oracle within bf16's tolerance)
+        engine_kw.setdefault("dtype", "float32")
         self.engine = None if factory else AsyncEngine.from_pretrained(model_dir, **engine_kw)
         self.fatal: list[str] = []
         self.app = build_app(factory or self.engine, served_model_name=MODEL_NAME, api_key=api_key,

@@ -51,6 +51,8 @@ class ServerProcess:
             "serve",
             "--model",
             model_dir,
+            "--dtype",
+            "float32",  # as Greedy and the oracles (tests/http_support.py): auto is bf16 on AVX512-BF16 CPUs
             "--port",
             str(self.port),
             "--n-cells",

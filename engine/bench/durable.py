@@ -28,6 +28,7 @@ from engine.bench.common import prompts_for
 from engine.bench.machine import machine
 from engine.core.engine import Engine
 from engine.core.state.cell_files import CHUNK
+from engine.loader.hf import load_hf_folder
 from engine.loader.source import resolve_args
 from engine.model.runner import ModelRunner
 
@@ -95,8 +96,10 @@ def main(argv: list[str] | None = None) -> int:
                       n_cells=a.prefix_len + a.branches * (a.branch_len + 8) + 512, max_num_batched_tokens=2048,
                       max_num_seqs=max(256, a.many // 2 + 8), speculative="off")
     base, name = resolve_args(base)
-    runner = ModelRunner.from_pretrained(base.model, dtype=base.dtype, **base.runner_kwargs())
-    model, tok = runner.model, runner.tokenizer
+    # the model stays this benchmark's (engine_on builds more runners over it): loaded here, not by a runner,
+    # which would release the modules' weights (engine/model/module_weights.py)
+    model, tok = load_hf_folder(base.model, dtype=base.dtype)
+    runner = ModelRunner(model, tok, **base.runner_kwargs())
     vocab = runner.config.get_text_config().vocab_size
     prefix = prompts_for(1, a.prefix_len, seed=1, vocab_size=vocab)[0]
     tails = prompts_for(a.branches, a.branch_len, seed=2, vocab_size=vocab)

@@ -58,7 +58,7 @@ def linear_bytes(runner: ModelRunner) -> int:
             if isinstance(lin, QuantLinear):
                 total += lin.weight.nbytes
             else:
-                total += sum(p.numel() * p.element_size() for p in lin.parts)
+                total += lin.out_features * lin.in_features * torch.empty((), dtype=runner.dtype).element_size()
     return total
 
 

@@ -20,6 +20,7 @@ from engine.cells.plan import row_gather_for
 from engine.loader.gguf_tensors import is_gguf_folder, load_gguf_model
 from engine.loader.hf import load_hf_folder
 from engine.loader.quantize import load_quantized_folder
+from engine.model import module_weights
 from engine.model.flat_step import FlatStep, flatten_step
 from engine.model.hf_attention import (
     ATTENTION_PATHS,
@@ -28,6 +29,7 @@ from engine.model.hf_attention import (
     mask_spec_for,
     register_cell_attention,
 )
+from engine.model.native.linear import two_copies
 from engine.model.native.model import NativeLlama, native_unsupported
 
 DEFAULT_N_CELLS = 8192
@@ -126,6 +128,7 @@ class ModelRunner:
         if native and reason:
             raise ValueError(f"native=True but {reason}")
         self.native = NativeLlama(model, self.spec, tensors) if native is not False and reason is None else None
+        self._samples = None  # the modules' weight samples, kept once their weights are released
         # transformers 5.24 renamed `past_key_values` to `cache`; accept both so 5.23 keeps working.
         params = inspect.signature(model.forward).parameters
         self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
@@ -143,8 +146,9 @@ class ModelRunner:
     ) -> "ModelRunner":
         """Load a local Hugging Face causal-LM folder (config, safetensors, tokenizer); never downloads.
 
-        `dtype="auto"` keeps the checkpoint's dtype (as vLLM's default); a name like "bfloat16" or a
-        torch dtype forces one. On CPUs with AVX512-BF16/AMX, bfloat16 runs about twice as fast.
+        `dtype="auto"`: bfloat16 on CPUs with AVX512-BF16/AMX (about twice float32's speed there), float32
+        elsewhere, whatever the checkpoint holds (engine/api/cpu.py); a name like "bfloat16" or a torch
+        dtype forces one. A GGUF file served from its own blocks ignores `dtype`.
         `quantize="int8"|"int4"`: the linears quantized at load into 32-weight blocks and run on the
         native forward's quantized kernels (engine/loader/quantize.py); `dtype` then holds the matrices
         left float (the embedding, when not tied to the head).
@@ -158,7 +162,9 @@ class ModelRunner:
             raise ValueError(f"dtype 'quantized' serves a .gguf file's own blocks; {path} is a float folder "
                              f"(to quantize it, use --quantize int8 or int4)")
         model, tokenizer = load_hf_folder(path, dtype=dtype, attn_implementation=attn_implementation, device=device)
-        return cls(model, tokenizer, **kwargs)
+        runner = cls(model, tokenizer, **kwargs)
+        runner.release_module_weights()  # the model is this runner's own: one copy of the weights
+        return runner
 
     @classmethod
     def _quantized(cls, path, quantize: str, dtype, **kwargs) -> "ModelRunner":
@@ -175,6 +181,20 @@ class ModelRunner:
                                    f"native not False)")
         model, tokenizer, tensors = load_quantized_folder(path, quantize, dtype, check=native_unsupported)
         return cls(model, tokenizer, tensors=tensors, **kwargs)
+
+    def release_module_weights(self) -> int:
+        """Once the native forward runs the model, drop the transformers modules' own weights (it holds
+        what it needs; engine/model/module_weights.py); returns the bytes dropped. Only for a model no one
+        else holds (`from_pretrained`'s): a caller's model stays whole, it may be their oracle. The modules
+        then cannot run: the runner never calls them while `native` is set."""
+        if self.native is None or two_copies():
+            return 0
+        self._samples = module_weights.weight_samples(self.model)
+        return module_weights.release(self.model)
+
+    def weight_samples(self) -> list[tuple[bytes, bytes]]:
+        """What the cells' identity fingerprints (engine/core/state/identity.py), as loaded."""
+        return self._samples if self._samples is not None else module_weights.weight_samples(self.model)
 
     @property
     def n_cells(self) -> int:

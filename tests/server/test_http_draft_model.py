@@ -24,7 +24,7 @@ def test_serve_with_a_draft_model_answers_as_without_drafts(model_dir, tmp_path)
     finally:
         srv.kill()
     assert "drafts for speculative decoding" in srv.log_path.read_text()
-    llm = LLM(model_dir, speculative="off", n_cells=512)
+    llm = LLM(model_dir, dtype="float32", speculative="off", n_cells=512)  # ServerProcess serves float32
     want = llm.generate([PROMPT], SamplingParams(max_tokens=24, temperature=0, ignore_eos=True), use_tqdm=False)
     assert got["choices"][0]["text"] == want[0].outputs[0].text
     details = got["usage"]["completion_tokens_details"]

@@ -27,7 +27,7 @@ def test_serve_kv_cache_dtype_int8_answers_a_completion(model_dir, tmp_path):
         srv.kill()
     assert cache["kv_cache_dtype"] == "int8" and cache["cell_bytes"] == INT8_CELL_BYTES
     assert cache["pool_bytes"] == 256 * INT8_CELL_BYTES
-    llm = LLM(model_dir, kv_cache_dtype="int8", n_cells=256)
+    llm = LLM(model_dir, dtype="float32", kv_cache_dtype="int8", n_cells=256)  # ServerProcess serves float32
     want = llm.generate(["ROMEO:"], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True), use_tqdm=False)
     assert got["choices"][0]["text"] == want[0].outputs[0].text
     assert got["usage"]["completion_tokens"] == 12

@@ -33,7 +33,7 @@ MESSAGES = [{"role": "user", "content": "Describe Romeo as JSON."}]
 
 @pytest.fixture(scope="module")
 def llm():
-    return LLM(DEFAULT_MODEL_DIR)
+    return LLM(DEFAULT_MODEL_DIR, dtype="float32")  # as LiveServer serves it (tests/http_support.py)
 
 
 def gen(llm, prompts, params):

@@ -4,17 +4,14 @@ K/V computed by one model mean nothing to another (or to the same model in anoth
 another KV dtype: `--kv-cache-dtype int8` rows are int8 packed with their scales), so every cell file and
 archive carries `ModelIdentity` in its header and a reader refuses any that differs. The weights'
 fingerprint hashes the config and, for every tensor of the state dict, its name, shape, dtype and an evenly
-strided sample of its values (at most `SAMPLE` elements): milliseconds even for a large model, and any
-retrained or differently quantized checkpoint differs in its samples.
+strided sample of its values (at most `SAMPLE` elements; engine/model/module_weights.py takes them before
+the modules' weights are released): milliseconds even for a large model, and any retrained or differently
+quantized checkpoint differs in its samples.
 """
 
 import hashlib
 import json
 from dataclasses import asdict, dataclass
-
-import torch
-
-SAMPLE = 1024
 
 
 @dataclass(frozen=True)
@@ -42,11 +39,9 @@ class ModelIdentity:
 def identity_of(runner) -> ModelIdentity:
     """The identity of `runner`'s model and cell pools (a `ModelRunner`)."""
     h = hashlib.sha256(runner.config.to_json_string(use_diff=False).encode())
-    for name, t in sorted(runner.model.state_dict().items()):
-        h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
-        if t.device.type != "meta" and t.numel():
-            flat = t.detach().reshape(-1)
-            h.update(flat[:: max(1, flat.numel() // SAMPLE)][:SAMPLE].contiguous().cpu().view(torch.uint8).numpy())
+    for header, sample in runner.weight_samples():  # taken before the modules' weights were released
+        h.update(header)
+        h.update(sample)
     cfg = runner.config.get_text_config()
     heads = cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or heads

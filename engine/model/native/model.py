@@ -5,7 +5,8 @@ on a small CPU most of a decode step is that overhead (every op dispatches, allo
 OpenMP region), not arithmetic. `NativeLlama` runs the same model from the same weights with:
 - fused Q|K|V and gate|up projections, prepacked once for oneDNN where torch can (fp32; bf16 on
   CPUs with AVX512-BF16), with SiLU, the gate*up product and the residual adds fused into the
-  matmuls as oneDNN post-ops;
+  matmuls as oneDNN post-ops; the packed copy is the only one (engine/model/native/linear.py), a tied
+  embedding's rows are read from the LM head's;
 - RoPE applied to Q and K together from one cos/sin table per step (not per layer);
 - K/V written straight into the cell pools and attention read straight from them
   (`Attend`, below): decoding rows read their own visible cells, with the mask folded into an
@@ -13,7 +14,7 @@ OpenMP region), not arithmetic. `NativeLlama` runs the same model from the same 
 - with the fused CPU kernels (`engine/model/kernels/build.py`, built once; eager ops when they cannot be built):
   RMSNorm in one pass, RoPE + the K/V pool write in one pass, and decode attention reading the
   cells in place, so a layer runs 9 ops instead of ~35; and at one row (one sequence decoding)
-  every linear streams the model's own weights through `small_linear` (about twice oneDNN's speed
+  every linear streams its packed weight through `packed_linear` (about twice oneDNN's speed
   there), with gate|up and SiLU*up in one call, so a layer runs 8.
 - int8 KV cells (`--kv-cache-dtype int8`, engine/cells/int8_kv.py): `rope_store_q8` quantizes each K/V
   head row as it writes it and `cell_attention_q8` reads the int8 rows in place (a row's scale applied
@@ -48,7 +49,7 @@ from engine.cells.plan import StepPlan
 from engine.model.hf_attention import MaskSpec
 from engine.model.kernels import build as kernels
 from engine.model.native.attention import Attend
-from engine.model.native.linear import Linear, cat_bias, fused_linear
+from engine.model.native.linear import Linear, cat_bias, fused_linear, small_swiglu
 
 NATIVE_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -98,8 +99,7 @@ class _Layer:
         if self.gate_up is not None:
             return self.gate_up.swiglu(h)
         if self.gate.is_small(h):
-            return torch.ops.cellserve.small_linear(h, [*self.gate.parts, *self.up.parts], self.gate_up_bias,
-                                                    None, "swiglu")
+            return small_swiglu(self.gate, self.up, h, self.gate_up_bias)
         return self.up.times(h, self.gate.silu(h))
 
 
@@ -127,9 +127,12 @@ class NativeLlama:
             windows = [spec.window] * len(base.layers)
         if tensors is None:
             self.layers = [_Layer(layer, w) for layer, w in zip(base.layers, windows)]
-            self.embed = base.embed_tokens.weight.detach()
             self.norm = base.norm.weight.detach()
             self.head = fused_linear(model.lm_head, gemv=True)
+            table = base.embed_tokens.weight
+            # a tied table is the head's weight: looked up in the head's packed copy, not kept twice
+            tied = table.data_ptr() == model.lm_head.weight.data_ptr() and self.head.panels is not None
+            self.embed = self.head.rows if tied else table.detach()
         else:
             from engine.model.native import quant
 

@@ -288,10 +288,11 @@ def weight_bytes(native) -> int:
             add(lin.weight)
             add(lin.bias)
         else:
-            for p in lin.parts:
+            for p in lin.parts or ():  # the plain weights, where they are kept beside the packed ones
                 add(p)
             if lin.packed is not None:
-                seen[id(lin.packed)] = sum(p.numel() * p.element_size() for p in lin.parts)
+                elt = torch.empty((), dtype=lin.packed.dtype).element_size()
+                seen[id(lin.packed)] = lin.out_features * lin.in_features * elt
             add(lin.weight)
             add(lin.bias)
 

@@ -109,8 +109,8 @@ def test_greedy_generation_over_int8_cells_is_the_float_cells_on_the_bundled_mod
     no error). Measured: 6 of 6 prompts identical over 32 tokens; held to all of them over 24."""
     prompts = ["ROMEO:", "JULIET:\nO", "First Citizen:\nWe are", "KING HENRY:", "To be, or not", "MERCUTIO:\nNay,"]
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
-    want = LLM(None, n_cells=512).generate(prompts, params, use_tqdm=False)
-    llm = LLM(None, n_cells=512, kv_cache_dtype="int8")
+    want = LLM(None, dtype="float32", n_cells=512).generate(prompts, params, use_tqdm=False)  # as measured
+    llm = LLM(None, dtype="float32", n_cells=512, kv_cache_dtype="int8")
     assert llm.engine.runner.cache.kv_dtype == torch.int8
     got = llm.generate(prompts, params, use_tqdm=False)
     assert [g.outputs[0].token_ids for g in got] == [w.outputs[0].token_ids for w in want]

@@ -2,6 +2,7 @@
 whether the outputs are identical.
 
     python -m engine.bench.speculative [--model smollm2-135m-instruct] [--clients 1,8] [--repeats 2]
+    python -m engine.bench.speculative --dtype float32 --draft-model smollm2-135m-instruct --draft-dtype quantized
 
 Workloads where output repeats input (real weights are needed: random weights never accept a draft):
 `edit` (return a short program with one change), `quote` (answer by quoting the passage), `free`
@@ -13,6 +14,10 @@ to `--max-tokens` or EOS; the engine runs the same requests with `speculative=--
 alternating `--repeats` times, and the best wall time of each is kept. In bf16 a drafted row runs through
 the multi-row kernels, so on a near-tie its argmax can differ from the one-row step's (as batching can);
 `same` compares the outputs, and float32 (`--dtype float32`) gives identical ones.
+
+`--draft-model M` adds a third engine in the same alternation: `--mode` with that draft model (engine/core/
+draft_model.py; `--draft-dtype`, "auto": a .gguf's own blocks), reported beside n-gram alone; `accepted` is
+then the draft model's own drafts kept (n-gram drafts, tried first, are counted in the n-gram column).
 """
 
 import argparse
@@ -26,7 +31,7 @@ from engine.api.args import EngineArgs
 from engine.api.sampling_params import SamplingParams
 from engine.bench.machine import machine
 from engine.core.engine import Engine
-from engine.loader.source import resolve_args
+from engine.loader.source import resolve_args, resolve_model
 from engine.model.runner import ModelRunner
 
 PROGRAM = '''def area(width, height):
@@ -55,8 +60,9 @@ REGENERATE = {"regen": 0.0, "regen-sampled": 0.8}  # workload -> the regenerate'
 
 
 def run(engine: Engine, prompts: list[list[int]], max_tokens: int, temperature: float | None = None
-        ) -> tuple[float, list[list[int]]]:
-    """Greedy completions of `prompts`; with `temperature`, regenerates instead (`REGENERATE`)."""
+        ) -> tuple[float, float, list[list[int]]]:
+    """Greedy completions of `prompts`; with `temperature`, regenerates instead (`REGENERATE`). Returns
+    (wall seconds, process CPU seconds, outputs): on a machine others load, CPU time is the steadier one."""
     outs: dict[str, list[int]] = {}
 
     def sink(rid):
@@ -75,15 +81,38 @@ def run(engine: Engine, prompts: list[list[int]], max_tokens: int, temperature: 
             engine.step()
         on = [engine.fork(seq.seq_id, len(p)).seq_id for seq, p in zip(seqs, prompts)]
         params = [SamplingParams(max_tokens=max_tokens, temperature=temperature, seed=i) for i in range(len(prompts))]
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.process_time()
     for i, p in enumerate(prompts):
         engine.add_request(f"r{i}", [] if on[i] else p, params[i], sink(f"r{i}"), on[i])
     while engine.has_unfinished():
         engine.step()
-    wall = time.perf_counter() - t
+    wall, cpu = time.perf_counter() - t, time.process_time() - cpu
     for seq_id in list(engine.persistent.by_id):  # the runner's pool outlives this engine: leave it empty
         engine.delete(seq_id)
-    return wall, [outs[f"r{i}"] for i in range(len(prompts))]
+    return wall, cpu, [outs[f"r{i}"] for i in range(len(prompts))]
+
+
+def measure(runner: ModelRunner, draft: ModelRunner | None, modes: list[str], prompts: list[list[int]],
+            max_tokens: int, temperature: float | None, repeats: int) -> dict[str, tuple[float, float, list, float]]:
+    """mode -> (best tok/s, best tokens per CPU second, outputs, acceptance), the modes alternating `repeats`
+    times; "draft" is `modes[1]` (the speculative mode) with the draft model."""
+    best: dict[str, float] = {}
+    per_cpu: dict[str, float] = {}
+    outs: dict[str, list] = {}
+    rate: dict[str, float] = {}
+    for _ in range(repeats):
+        for m in modes:
+            spec = modes[1] if m == "draft" else m
+            engine = Engine(runner, EngineArgs(speculative=spec, prefix_caching=False), draft if m == "draft" else None)
+            wall, cpu, got = run(engine, prompts, max_tokens, temperature)
+            tokens = sum(len(o) for o in got)
+            best[m] = max(best.get(m, 0.0), tokens / wall)
+            per_cpu[m] = max(per_cpu.get(m, 0.0), tokens / cpu)
+            outs[m] = got
+            counter = engine.speculative.drafter if m == "draft" else engine.speculative
+            if counter is not None and counter.drafted:
+                rate[m] = counter.accepted / counter.drafted
+    return {m: (best[m], per_cpu[m], outs[m], rate.get(m, 0.0)) for m in modes}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -95,6 +124,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=2)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--mode", default="auto", choices=["auto", "ngram"], help="the speculative mode set against off")
+    p.add_argument("--draft-model", default=None, help="also measure --mode with this draft model")
+    p.add_argument("--draft-dtype", default="auto")
     names = [*WORKLOADS, *REGENERATE]
     p.add_argument("--workloads", default=",".join(names), help="comma-separated, of " + ", ".join(names))
     args = p.parse_args(argv)
@@ -103,27 +134,29 @@ def main(argv: list[str] | None = None) -> int:
     print("machine:", machine())
     base, _ = resolve_args(EngineArgs(model=args.model, dtype=args.dtype))
     runner = ModelRunner.from_pretrained(base.model, dtype=base.dtype, **base.runner_kwargs())
+    draft = None
+    if args.draft_model:
+        draft_dir = resolve_model(args.draft_model, args.draft_dtype).path
+        draft = ModelRunner.from_pretrained(draft_dir, dtype=args.draft_dtype, **{**base.runner_kwargs(),
+                                                                                  "n_cells": runner.n_cells})
     tok = runner.tokenizer
     mode = args.mode
-    print(f"{'workload':8} {'clients':>7} {'off tok/s':>10} {mode + ' tok/s':>12} {'x':>6} {'accepted':>9} same")
+    modes = ["off", mode, *(["draft"] if draft is not None else [])]
+    print("x: tok/s against off's; cpu x: tokens per CPU second against off's (steadier on a loaded machine)")
+    head = f"{'workload':8} {'clients':>7} {'off tok/s':>10} " + " ".join(
+        f"{m + ' tok/s':>12} {'x':>6} {'cpu x':>6} {'accepted':>9} same" for m in modes[1:])
+    print(head)
     for name in args.workloads.split(","):
         text = WORKLOADS.get(name, WORKLOADS["free"])
         ids = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True,
                                       tokenize=True, return_dict=False)
         for clients in (int(c) for c in args.clients.split(",")):
-            best, outs, rate = {}, {}, 0.0
-            for _ in range(args.repeats):
-                for m in ("off", mode):
-                    engine = Engine(runner, EngineArgs(speculative=m, prefix_caching=False))
-                    wall, got = run(engine, [list(ids)] * clients, args.max_tokens, REGENERATE.get(name))
-                    tokens = sum(len(o) for o in got)
-                    best[m] = max(best.get(m, 0.0), tokens / wall)
-                    outs[m] = got
-                    if engine.speculative is not None and engine.speculative.drafted:
-                        rate = engine.speculative.accepted / engine.speculative.drafted
-            same = "yes" if outs["off"] == outs[mode] else "no"
-            print(f"{name:8} {clients:7d} {best['off']:10.1f} {best[mode]:12.1f} "
-                  f"{best[mode] / best['off']:6.2f} {rate:9.0%} {same}", flush=True)
+            got = measure(runner, draft, modes, [list(ids)] * clients, args.max_tokens, REGENERATE.get(name),
+                          args.repeats)
+            off = got["off"]
+            cols = [f"{t:12.1f} {t / off[0]:6.2f} {c / off[1]:6.2f} {r:9.0%} {'yes' if o == off[2] else 'no'}"
+                    for t, c, o, r in (got[m] for m in modes[1:])]
+            print(f"{name:8} {clients:7d} {off[0]:10.1f} " + " ".join(cols), flush=True)
     return 0
 
 

@@ -97,9 +97,9 @@ class SpeculativeDecoder:
 
     def propose(self) -> None:
         """Give every eligible running sequence a draft (the scheduler may still drop it for room); with
-        `always` off, only while few sequences decode."""
+        `always` off, only while few sequences decode and nothing prefills (`_quiet`)."""
         running = self.scheduler.running
-        quiet = self.always or len(running) <= AUTO_MAX_DECODING
+        quiet = self.always or self._quiet(running)
         by_model = []  # (sequence, room): no free draft, the draft model's then
         for seq in running:
             seq.draft, seq.draft_q = [], None
@@ -112,6 +112,13 @@ class SpeculativeDecoder:
                 by_model.append((seq, room))
         if by_model:
             self._model_drafts(by_model)
+
+    def _quiet(self, running: list[Sequence]) -> bool:
+        """"auto" drafts only in a tick that is all decodes of few sequences: there the step streams every
+        weight once for a few rows and drafted rows ride almost free. A prompt being prefilled (or waiting
+        to be) makes the tick compute-bound, so drafts there would cost time and delay its first token."""
+        return (len(running) <= AUTO_MAX_DECODING and not self.scheduler.waiting
+                and all(s.cache_target() - s.n_cached <= 1 for s in running))
 
     def _model_drafts(self, wanted: list[tuple[Sequence, int]]) -> None:
         try:

@@ -125,6 +125,27 @@ def test_auto_backs_off_a_sequence_whose_drafts_miss(model):
     assert 0 < drafted["auto"] < drafted["ngram"]
 
 
+def test_auto_does_not_draft_in_a_tick_that_prefills():
+    """A prompt being prefilled makes the tick compute-bound: "auto" drafts only in all-decode ticks, so a
+    newcomer's first token is not delayed by drafted rows; once it decodes too, drafting resumes."""
+    tok = shared_tokenizer()
+    cycle = list(range(10, 20))  # a scripted model walks the cycle, so every draft is kept
+    model = scripted_model(tok, {t: cycle[(i + 1) % len(cycle)] for i, t in enumerate(cycle)})
+    engine = make_engine(model=model, tokenizer=tok, speculative="auto")
+    engine.add_request("copier", cycle * 3, greedy(40), Collector())
+    while engine.speculative.drafted == 0:  # decoding, and drafting from its history
+        engine.step()
+    copier = engine.scheduler.running[0]
+    engine.add_request("newcomer", cycle[3:] + cycle, greedy(30), Collector())
+    assert lookup_draft(copier.token_ids, [], 4) and copier.draft_pause == 0  # a draft is there to take
+    before = engine.speculative.drafted
+    engine.step()  # the newcomer's prefill rides this tick
+    assert engine.speculative.drafted == before
+    drain(engine)
+    assert engine.speculative.drafted > before  # both decoding: drafts again
+    check_cells_match_sequences(engine)
+
+
 def test_a_predicted_output_drafts_what_it_predicts_and_changes_nothing(model):
     """OpenAI's `prediction`: the right prediction is kept in long drafts (few steps); a wrong one, or one
     the output leaves, is rejected and the output is still token for token the plain greedy one."""

@@ -171,6 +171,9 @@ def test_forks_and_cancels_leave_no_cell_in_either_pool(target, draft):
     engine.add_request("a", [], greedy(12), Collector(), seq.seq_id)
     drain(engine)
     forks = [engine.fork(seq.seq_id, 30), engine.fork(seq.seq_id)]
+    for f in forks:  # a fork shares the parent's draft cells too (no copy, no re-prefill by the draft)
+        assert drafter.held[f.slot] > 0 and drafter.cache.shared_cells(f.slot) == drafter.held[f.slot]
+    check_draft_cells(engine)
     for i, f in enumerate(forks):
         engine.add_request(f"f{i}", [], SamplingParams(max_tokens=16, temperature=0.7, seed=i), Collector(), f.seq_id)
     engine.add_request("plain", prompt(12, 4), greedy(200), Collector())

@@ -19,6 +19,8 @@ form of such rows (saved cell chunks, archives): the int8 values followed by the
 token axis needs no second tensor.
 """
 
+import sys
+
 import torch
 
 QMAX = 127
@@ -45,7 +47,7 @@ def pack(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     raw = scale.to(torch.float32).contiguous()[..., None].view(torch.int8)  # [..., 4], native byte order
     if raw.shape[-1] != SCALE_BYTES:  # pragma: no cover - float32 is 4 bytes
         raise AssertionError("float32 scale is not 4 bytes")
-    if not _little_endian():  # pragma: no cover - every platform torch ships for
+    if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for
         raw = raw.flip(-1)
     return torch.cat([q, raw], -1)
 
@@ -56,12 +58,6 @@ def unpack(packed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         raise ValueError(f"packed int8 KV rows are int8 [..., head_dim + {SCALE_BYTES}], got "
                          f"{tuple(packed.shape)} ({packed.dtype})")
     raw = packed[..., -SCALE_BYTES:]
-    if not _little_endian():  # pragma: no cover
+    if sys.byteorder != "little":  # pragma: no cover
         raw = raw.flip(-1)
     return packed[..., :-SCALE_BYTES], raw.contiguous().view(torch.float32)[..., 0]
-
-
-def _little_endian() -> bool:
-    import sys
-
-    return sys.byteorder == "little"

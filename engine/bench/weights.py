@@ -9,8 +9,8 @@ released; a tied embedding looked up in the head's packed copy) and `two` (`CELL
 load: the plain weights kept beside the packed ones for `small_linear`, and the modules' weights kept, as
 before). Both run alternately, `--repeats` times, best kept: one-sequence decode tok/s, N-sequence tok/s
 and prefill tok/s (as engine/bench/quant.py measures them; speculative decoding and prefix caching off).
-Then the peak RSS (VmHWM) of a fresh process per (dtype, layout) that loads it and runs one 8-sequence
-round. Ratios: one / two, measured in the same run.
+Then the peak RSS (VmHWM, the load's transient included) and the RSS after (VmRSS: what serving holds) of a
+fresh process per (dtype, layout) that loads it and runs one 8-sequence round. Ratios: one / two, measured in the same run.
 """
 
 import argparse
@@ -50,9 +50,11 @@ def rss_only(model: str, dtype: str, layout: str) -> None:
     runner = load(model, dtype, layout)
     run(runner, prompts_for(8, 64, seed=3, vocab_size=runner.config.vocab_size), 16)
     with open("/proc/self/status") as f:
-        peak = int(f.read().split("VmHWM:")[1].split()[0]) * 1024
+        status = f.read()
+    peak = int(status.split("VmHWM:")[1].split()[0]) * 1024  # the load's transient included
+    now = int(status.split("VmRSS:")[1].split()[0]) * 1024  # after the load and the round: what serving holds
     params = sum(p.numel() * p.element_size() for p in runner.model.parameters() if p.untyped_storage().nbytes() > p.element_size())
-    print(json.dumps({"dtype": dtype, "layout": layout, "peak_rss": peak, "native_weights": weight_bytes(runner.native),
+    print(json.dumps({"dtype": dtype, "layout": layout, "peak_rss": peak, "rss": now, "native_weights": weight_bytes(runner.native),
                       "module_weights": params}))
 
 
@@ -77,8 +79,8 @@ def main(argv: list[str] | None = None) -> int:
     print("command:", shlex.join([sys.executable, "-m", "engine.bench.weights", *(argv or sys.argv[1:])]))
     print("machine:", machine(), "| load average", _load(), flush=True)
     if not args.no_rss:
-        print(f"\n{'dtype':10} {'layout':6} {'peak RSS MB':>12} {'x':>6} {'native weights MB':>18} {'module weights MB':>18}"
-              "   (one fresh process each, one 8-sequence round)")
+        print(f"\n{'dtype':10} {'layout':6} {'peak RSS MB':>12} {'x':>6} {'RSS after MB':>13} {'x':>6} "
+              f"{'native weights MB':>18} {'module weights MB':>18}   (one fresh process each, one 8-sequence round)")
         for dtype in dtypes:
             mem = {}
             for layout in LAYOUTS:
@@ -88,6 +90,7 @@ def main(argv: list[str] | None = None) -> int:
                                          .stdout.strip().splitlines()[-1])
             for layout, m in mem.items():
                 print(f"{dtype:10} {layout:6} {m['peak_rss'] / 1e6:12.1f} {m['peak_rss'] / mem['two']['peak_rss']:6.2f} "
+                      f"{m['rss'] / 1e6:13.1f} {m['rss'] / mem['two']['rss']:6.2f} "
                       f"{m['native_weights'] / 1e6:18.1f} {m['module_weights'] / 1e6:18.1f}", flush=True)
     if args.no_speed:
         return 0

@@ -44,7 +44,7 @@ class Linear:
         parts = [w.detach().contiguous() for w in weights]
         w = parts[0] if len(parts) == 1 else torch.cat(parts)
         self.out_features, self.in_features = w.shape  # as nn.Linear has them (GroupLinear sums the parts')
-        self.bias = None if bias is None else bias.detach().contiguous()
+        self.bias = None if bias is None else bias.detach().clone(memory_format=torch.contiguous_format)  # not a view
         self.packed = _pack(w)
         self.panels = None if self.packed is None or two_copies() else packed_panels(w, self.packed)
         # The packed copy replaces the weight, unless one-row calls read it as a GEMV (the LM head without

@@ -49,7 +49,7 @@ from engine.cells.plan import StepPlan
 from engine.model.hf_attention import MaskSpec
 from engine.model.kernels import build as kernels
 from engine.model.native.attention import Attend
-from engine.model.native.linear import Linear, cat_bias, fused_linear, small_swiglu
+from engine.model.native.linear import Linear, cat_bias, fused_linear, small_swiglu, two_copies
 
 NATIVE_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
@@ -76,8 +76,9 @@ class _Layer:
 
     def __init__(self, layer, window: int | None, quantized: dict | None = None):
         attn, mlp = layer.self_attn, layer.mlp
-        self.ln1, self.eps1 = layer.input_layernorm.weight.detach(), layer.input_layernorm.variance_epsilon
-        self.ln2, self.eps2 = layer.post_attention_layernorm.weight.detach(), layer.post_attention_layernorm.variance_epsilon
+        # own copies (a few KB): a view would keep the whole safetensors mapping the parameters came from alive
+        self.ln1, self.eps1 = layer.input_layernorm.weight.detach().clone(), layer.input_layernorm.variance_epsilon
+        self.ln2, self.eps2 = layer.post_attention_layernorm.weight.detach().clone(), layer.post_attention_layernorm.variance_epsilon
         self.scale = attn.scaling
         self.window = window
         self.gate_up = None  # a quantized [gate; up] linear with its own swiglu (engine/model/native/quant.py)
@@ -127,12 +128,13 @@ class NativeLlama:
             windows = [spec.window] * len(base.layers)
         if tensors is None:
             self.layers = [_Layer(layer, w) for layer, w in zip(base.layers, windows)]
-            self.norm = base.norm.weight.detach()
+            self.norm = base.norm.weight.detach().clone()  # not a view into the file's mapping (see _Layer)
             self.head = fused_linear(model.lm_head, gemv=True)
             table = base.embed_tokens.weight
             # a tied table is the head's weight: looked up in the head's packed copy, not kept twice
             tied = table.data_ptr() == model.lm_head.weight.data_ptr() and self.head.panels is not None
-            self.embed = self.head.rows if tied else table.detach()
+            # an untied table: its own copy, so the file's mapping can go (the two-copy A/B keeps the view, as before)
+            self.embed = self.head.rows if tied else table.detach() if two_copies() else table.detach().clone()
         else:
             from engine.model.native import quant
 

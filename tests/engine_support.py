@@ -149,3 +149,20 @@ def shared_tokenizer():
     if _TOKENIZER is None:
         _TOKENIZER = tiny_tokenizer()
     return _TOKENIZER
+
+
+def run_requests(engine: Engine, prompts, params: SamplingParams, check=check_cells_match_sequences,
+                 tag: str = "r") -> list["Collector"]:
+    """One request per prompt (ids `{tag}{i}`), stepped until all finish, `check(engine)` after every tick
+    (None: no check); the requests' collectors, in prompt order."""
+    outs = []
+    for i, p in enumerate(prompts):
+        out = Collector()
+        engine.add_request(f"{tag}{i}", p, params, out)
+        outs.append(out)
+    while engine.has_unfinished():
+        engine.step()
+        if check is not None:
+            check(engine)
+    return outs
+

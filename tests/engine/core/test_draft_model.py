@@ -11,6 +11,7 @@ from engine_support import (
     greedy,
     greedy_oracle,
     prompt,
+    run_requests,
 )
 from tiny_models import full_logits, tiny_model
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -31,17 +32,13 @@ def _engine(target, draft=None, n_cells=N_CELLS, **config) -> Engine:
 
 
 def _run(engine, prompts, params):
-    outs = []
-    for i, p in enumerate(prompts):
-        out = Collector()
-        engine.add_request(f"r{i}", p, params, out)
-        outs.append(out)
-    while engine.has_unfinished():
-        engine.step()
-        check_cells_match_sequences(engine)
-        if engine.speculative is not None and engine.speculative.drafter is not None:
-            check_draft_cells(engine)
-    return outs
+    return run_requests(engine, prompts, params, check=_check_both_pools)
+
+
+def _check_both_pools(engine: Engine) -> None:
+    check_cells_match_sequences(engine)
+    if engine.speculative is not None and engine.speculative.drafter is not None:
+        check_draft_cells(engine)
 
 
 def check_draft_cells(engine: Engine) -> None:

@@ -14,7 +14,15 @@ import logging
 import shutil
 
 import pytest
-from engine_support import Collector, check_cells_match_sequences, drain, greedy, greedy_oracle, prompt
+from engine_support import (
+    Collector,
+    check_cells_match_sequences,
+    drain,
+    greedy,
+    greedy_oracle,
+    prompt,
+    run_requests,
+)
 from tiny_models import tiny_model
 
 from engine.api.args import EngineArgs
@@ -38,15 +46,8 @@ def _engine(model, kv="int8", n_cells=512, **config) -> Engine:
 
 
 def _run(engine, prompts, params, check=True) -> list[list[int]]:
-    outs = []
-    for i, p in enumerate(prompts):
-        out = Collector()
-        engine.add_request(f"r{i}-{len(engine.requests)}-{engine.steps}", p, params, out)
-        outs.append(out)
-    while engine.has_unfinished():
-        engine.step()
-        if check:
-            check_cells_match_sequences(engine)
+    outs = run_requests(engine, prompts, params, check=check_cells_match_sequences if check else None,
+                        tag=f"r{len(engine.requests)}-{engine.steps}-")
     return [o.tokens[0] for o in outs]
 
 

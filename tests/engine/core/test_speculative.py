@@ -14,6 +14,7 @@ from engine_support import (
     greedy_oracle,
     make_engine,
     prompt,
+    run_requests,
     scripted_model,
     shared_tokenizer,
 )
@@ -25,15 +26,7 @@ REPEATING = prompt(7, 1) * 5  # a history whose continuation prompt lookup can g
 
 
 def _run(engine, prompts, params):
-    outs = []
-    for i, p in enumerate(prompts):
-        out = Collector()
-        engine.add_request(f"r{i}", p, params, out)
-        outs.append(out)
-    while engine.has_unfinished():
-        engine.step()
-        check_cells_match_sequences(engine)
-    return outs
+    return run_requests(engine, prompts, params)
 
 
 def test_lookup_draft_takes_the_most_recent_continuation_longest_match_first():

@@ -25,7 +25,6 @@ import torch
 
 QMAX = 127
 SCALE_BYTES = 4  # float32
-KV_CACHE_DTYPES = ("auto", "int8")  # mirrors engine.api.args (which imports no torch)
 
 
 def quantize(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from engine.api.args import KV_CACHE_DTYPES
 from engine.api.errors import ModelSourceError
 from engine.cells import int8_kv
 from engine.cells.cache import DEFAULT_MAX_SEQS, CellCache
@@ -49,8 +50,8 @@ def kv_bytes_per_cell(config, dtype: torch.dtype, kv_cache_dtype: str = "auto") 
 
 def kv_dtype_of(kv_cache_dtype: str) -> torch.dtype | None:
     """The pools' storage dtype for `--kv-cache-dtype` (None: the model's own); a clear error otherwise."""
-    if kv_cache_dtype not in int8_kv.KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: use one of {', '.join(int8_kv.KV_CACHE_DTYPES)} "
+    if kv_cache_dtype not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: use one of {', '.join(KV_CACHE_DTYPES)} "
                          f"(auto: the model's dtype; int8: int8 cells with a scale per cell and kv head)")
     return torch.int8 if kv_cache_dtype == "int8" else None
 

@@ -5,6 +5,7 @@ write what `int8_kv.quantize` makes of the eagerly roped K and of V."""
 
 import pytest
 import torch
+from transformers.models.llama.modeling_llama import rotate_half
 
 from engine.cells import int8_kv
 from engine.model.kernels import build as kernels
@@ -16,11 +17,6 @@ def built():
 
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 0.05}
-
-
-def _rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], -1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -36,7 +32,7 @@ def test_rope_store_q8_writes_the_quantized_rows_and_returns_roped_q(dtype, head
     cells = torch.tensor([3, 17, 4, 39, 0])
     q = torch.ops.cellserve.rope_store_q8(qkv, cos, sin, keys, values, k_scale, v_scale, cells, n_q, n_kv)
     heads = qkv.view(n_tok, -1, head_dim)
-    roped = heads * cos[:, None] + _rotate_half(heads) * sin[:, None]
+    roped = heads * cos[:, None] + rotate_half(heads) * sin[:, None]
     torch.testing.assert_close(q, roped[:, :n_q], atol=TOL[dtype], rtol=TOL[dtype])
     # V is copied, not computed: its rows are exactly int8_kv.quantize's
     vq, vs = int8_kv.quantize(heads[:, n_q + n_kv:].transpose(0, 1))

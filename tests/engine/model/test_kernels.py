@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
+from transformers.models.llama.modeling_llama import rotate_half
 
 from engine.model.kernels import build as kernels
 
@@ -21,11 +22,6 @@ def built():
 
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 0.05}
-
-
-def _rotate_half(x):
-    half = x.shape[-1] // 2
-    return torch.cat([-x[..., half:], x[..., :half]], -1)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -49,7 +45,7 @@ def test_rope_store_ropes_q_and_k_and_writes_the_pools(dtype, head_dim):
     cells = torch.tensor([3, 17, 4, 39, 0])
     q = torch.ops.cellserve.rope_store(qkv, cos, sin, keys, values, cells, n_q, n_kv)
     heads = qkv.view(n_tok, -1, head_dim)
-    roped = heads * cos[:, None] + _rotate_half(heads) * sin[:, None]
+    roped = heads * cos[:, None] + rotate_half(heads) * sin[:, None]
     tol = {"atol": TOL[dtype], "rtol": TOL[dtype]}
     torch.testing.assert_close(q, roped[:, :n_q], **tol)
     torch.testing.assert_close(keys[0][:, cells].transpose(0, 1), roped[:, n_q:n_q + n_kv], **tol)

@@ -18,9 +18,9 @@
 //   w = dv * (q - z) + mv
 // with z = 128 (q8_0), 8 (q4_0), 32 (q6_k), else 0; dv = d (32-weight kinds), d * sc_j (q4_k, q5_k),
 // d * sc_g (q6_k); mv = m (q4_1), -dmin * mn_j (q4_k, q5_k), else 0.
-// Activations are rounded per 32-block to int8 (scale da = amax / 127, round half away from zero, as
-// llama.cpp's q8_0/q8_K activations) and laid out in the same pair order, so a weight pair and an
-// activation pair dot lane by lane.
+// Activations are rounded to int8 (scale da = amax / 127, round half away from zero) per 32-block for the
+// 32-weight kinds (llama.cpp's q8_0) and per 256-weight super-block for the K-quants (llama.cpp's q8_K),
+// and laid out in the same pair order, so a weight pair and an activation pair dot lane by lane.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -52,7 +52,7 @@ inline int zero_point(int64_t kind) {
     default: return 0;
   }
 }
-inline bool super_blocks(int64_t kind) { return kind >= Q4_K; }
+constexpr bool super_blocks(int64_t kind) { return kind >= Q4_K; }
 inline bool has_mins(int64_t kind) { return kind == Q4_1 || kind == Q4_K || kind == Q5_K; }
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 // which block of the pair chunk c (positions 16c..16c+15) belongs to, and which half of that block
@@ -99,8 +99,8 @@ inline float block_mv(int64_t kind, const Row& r, int64_t b) {
   return 0.f;
 }
 
-// Pair p of a row in plain C: its 64 unsigned values in the kernels' order and per lane dv, mv.
-inline void unpack_pair(int64_t kind, const Row& r, int64_t p, int64_t nb, uint8_t* q, float* dv, float* mv) {
+// Pair p of a row in plain C: its 64 unsigned values in the kernels' order.
+inline void unpack_values(int64_t kind, const Row& r, int64_t p, int64_t nb, uint8_t* q) {
   const bool half = 2 * p + 1 == nb;
   std::memset(q, 0, 64);
   if (kind == Q8_0) {
@@ -122,6 +122,11 @@ inline void unpack_pair(int64_t kind, const Row& r, int64_t p, int64_t nb, uint8
       for (int i = 0; i < 64; ++i) q[i] |= static_cast<uint8_t>(((bits >> i) & 1) << (4 + pl));
     }
   }
+}
+
+// Pair p of a row in plain C: its 64 unsigned values in the kernels' order and per lane dv, mv.
+inline void unpack_pair(int64_t kind, const Row& r, int64_t p, int64_t nb, uint8_t* q, float* dv, float* mv) {
+  unpack_values(kind, r, p, nb, q);
   for (int lane = 0; lane < 16; ++lane) {
     const int c = lane / 4;
     const int64_t b = 2 * p + chunk_block(kind, c);
@@ -236,5 +241,7 @@ inline const float* ptr_or_null(const at::Tensor& t) { return t.defined() ? t.da
 
 // quant_linear.cpp: any number of rows through the 1-to-8-row kernel, 8 rows at a time
 at::Tensor linear_by_eights(const Call& c);
+// quant_krows.cpp: the 1-to-8-row kernel for the K-quants: rows [r0, r0 + count) of the call into y
+void krows_eight(const Call& c, int64_t r0, int64_t count, float* y);
 
 }  // namespace cq

@@ -1,9 +1,10 @@
 // quant_gemm: `x @ W.T` for many rows (prefill, batched decode) over llama.cpp's block quantizations
 // (quant_blocks.h), a blocked GEMM in integers (AVX-512 VNNI `vpdpbusd`).
 //
-// The rows are quantized once per call, per 32-block, exactly as quant_linear.cpp's row kernel does
-// (int8, da = amax / 127, half away from zero, the pair order), so both kernels give the same sums
-// up to fp32 summation order. Then per task (at::parallel_for over tasks) NC = 2 vectors of 16 weight
+// The rows are quantized once per call, per 32-block (the K-quants: per 256-weight super-block, one da
+// for its 8 blocks), exactly as the row kernel does (quant_linear.cpp, quant_krows.cpp: int8,
+// da = amax / 127, half away from zero, the pair order), so both kernels give the same sums up to fp32
+// summation order. Then per task (at::parallel_for over tasks) NC = 2 vectors of 16 weight
 // rows ("columns" of the output) are unpacked once into a tile that holds, per pair and per int32 lane
 // l, the 4 bytes of lane l of the 16 rows side by side (a 16x16 transpose of the pairs' lanes), and
 // their per-group scales dv, mv as 16-wide float vectors. Every R = 4 rows of x then run over the
@@ -65,13 +66,21 @@ inline __m512i round_away(__m512 v) {
   return _mm512_cvttps_epi32(_mm512_mask_add_ps(t, up, t, _mm512_or_ps(sign, _mm512_set1_ps(1.f))));
 }
 
-// One row: q in the pair order (pair p at q + p * stride); per block da and the sums of its halves.
+// One row: q in the pair order (pair p at q + p * stride); per block da (the K-quants: its super-block's,
+// llama.cpp's q8_K) and the sums of its halves.
 template <int KIND>
 void quantize_row(const float* xr, int64_t nb, int8_t* q, int64_t stride, float* da, int32_t* s16) {
+  constexpr int64_t span = super_blocks(KIND) ? 8 : 1;  // blocks sharing one scale
+  for (int64_t b0 = 0; b0 < nb; b0 += span) {
+    __m512 m = _mm512_setzero_ps();
+    for (int64_t b = b0; b < std::min(nb, b0 + span); ++b)
+      m = _mm512_max_ps(m, _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xr + b * 32)),
+                                         _mm512_abs_ps(_mm512_loadu_ps(xr + b * 32 + 16))));
+    const float amax = _mm512_reduce_max_ps(m);
+    for (int64_t b = b0; b < std::min(nb, b0 + span); ++b) da[b] = amax / 127.f;
+  }
   for (int64_t b = 0; b < nb; ++b) {
     const __m512 x0 = _mm512_loadu_ps(xr + b * 32), x1 = _mm512_loadu_ps(xr + b * 32 + 16);
-    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-    da[b] = amax / 127.f;
     const __m512 inv = _mm512_set1_ps(da[b] != 0.f ? 1.f / da[b] : 0.f);
     const __m512i q0 = round_away(_mm512_mul_ps(x0, inv)), q1 = round_away(_mm512_mul_ps(x1, inv));
     s16[2 * b] = _mm512_reduce_add_epi32(q0);

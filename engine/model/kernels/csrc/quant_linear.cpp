@@ -3,8 +3,9 @@
 // The block layouts, the pair order and the per-lane arithmetic: quant_blocks.h.
 //
 // quant_linear (1 to 8 rows at a time: decode, batched decode; more rows 8 at a time, the fallback
-// without VNNI): each row of x is quantized per 32-block to int8 (amax / 127
-// scale, round half away from zero, as llama.cpp's q8_0/q8_K activations), each weight pair is dotted
+// without VNNI), the 32-weight kinds (the K-quants: quant_krows.cpp, in integers per super-block): each row
+// of x is quantized per 32-block to int8 (amax / 127 scale, round half away from zero, as llama.cpp's q8_0
+// activations), each weight pair is dotted
 // with it in integers (AVX-512 VNNI `vpdpbusd`: unsigned weight bytes x signed activation bytes, 4
 // products per int32 lane), and per lane
 //   y += dv * (da * dot - z * da * s16 / 4) + mv * da * s16 / 4
@@ -85,58 +86,26 @@ inline __m512 load_scales(const c10::Half* s, int64_t p, bool half, const __m512
   return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_cvtph_ps(raw)));
 }
 
-// K-quants: the block scales of super-block s (4 pairs, 8 blocks of 32) as floats, d (and -m) applied once:
-// lanes [0, 8) the 8 blocks (q4_k, q5_k), or lanes [0, 16) the 16 groups of 16 (q6_k). Converting them once a
-// super-block instead of once a pair takes ~10 of the ~27 instructions a pair off the one-row decode loop.
-// `blocks` (< 8 only in a row's last, partial super-block) bounds the bytes read.
-template <int KIND>
-inline void super_scales(const Row& r, int64_t s, int64_t blocks, __m512* dsc, __m512* msc) {
-  const int64_t per = KIND == Q6_K ? 16 : 8;  // scale bytes a super-block
-  const __mmask16 mask = static_cast<__mmask16>((1u << (KIND == Q6_K ? 2 * blocks : blocks)) - 1);
-  const __m128i raw = _mm_maskz_loadu_epi8(mask, r.sc + s * per);
-  const __m512i i32 = KIND == Q6_K ? _mm512_cvtepi8_epi32(raw) : _mm512_cvtepu8_epi32(raw);
-  *dsc = _mm512_mul_ps(_mm512_cvtepi32_ps(i32), _mm512_set1_ps(half_to_float(r.d[s])));
-  if (KIND == Q4_K || KIND == Q5_K) {
-    const __m128i mraw = _mm_maskz_loadu_epi8(mask, r.mn + s * per);
-    *msc = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(mraw)), _mm512_set1_ps(-half_to_float(r.m[s])));
-  }
-}
-
 template <int KIND, int M>
 void dot_rows(const Row& r, int64_t nb, const Activation* act, float* out) {
   const int64_t pairs = (nb + 1) / 2;
   // lane -> block of the pair; lane -> q6_k group of the pair (chunk c: block c % 2, half c / 2)
+  static_assert(KIND == Q8_0 || KIND == Q4_0 || KIND == Q4_1, "the K-quants: quant_krows.cpp");
   const __m512i idx = KIND == Q8_0 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
                                    : _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
-  const __m512i idx6 = _mm512_set_epi32(3, 3, 3, 3, 1, 1, 1, 1, 2, 2, 2, 2, 0, 0, 0, 0);
-  constexpr bool has_m = KIND == Q4_1 || KIND == Q4_K || KIND == Q5_K;
+  constexpr bool has_m = KIND == Q4_1;
   __m512 acc[M];
   for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_ps();
-  __m512 dsc = _mm512_setzero_ps(), msc = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; ++p) {
     const bool half = 2 * p + 1 == nb;
     const __m512i w = load_pair<KIND>(r, p, half);
-    __m512 dv, mv = _mm512_setzero_ps();
-    if constexpr (KIND == Q8_0 || KIND == Q4_0 || KIND == Q4_1) {
-      dv = load_scales(r.d, p, half, idx);
-      if (KIND == Q4_1) mv = load_scales(r.m, p, half, idx);
-    } else {
-      const int64_t j = p % 4;  // the pair's place in its super-block
-      if (j == 0) super_scales<KIND>(r, p / 4, std::min<int64_t>(8, nb - 2 * p), &dsc, &msc);
-      if constexpr (KIND == Q6_K) {
-        dv = _mm512_permutexvar_ps(_mm512_add_epi32(idx6, _mm512_set1_epi32(static_cast<int>(4 * j))), dsc);
-      } else {
-        const __m512i at = _mm512_add_epi32(idx, _mm512_set1_epi32(static_cast<int>(2 * j)));
-        dv = _mm512_permutexvar_ps(at, dsc);
-        mv = _mm512_permutexvar_ps(at, msc);
-      }
-    }
+    const __m512 dv = load_scales(r.d, p, half, idx);
+    const __m512 mv = has_m ? load_scales(r.m, p, half, idx) : _mm512_setzero_ps();
     for (int i = 0; i < M; ++i) {
       const Activation& a = act[i];
       const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(a.q.data() + p * 64));
       const __m512 c1 = _mm512_loadu_ps(a.c1.data() + p * 16);
-      const __m512 f = KIND == Q4_1 || KIND == Q4_K || KIND == Q5_K
-                           ? _mm512_mul_ps(_mm512_cvtepi32_ps(dot), c1)
+      const __m512 f = has_m ? _mm512_mul_ps(_mm512_cvtepi32_ps(dot), c1)
                            : _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), c1, _mm512_loadu_ps(a.c0.data() + p * 16));
       acc[i] = _mm512_fmadd_ps(f, dv, acc[i]);
       if (has_m) acc[i] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(a.c2.data() + p * 16), acc[i]);
@@ -208,6 +177,7 @@ void run_kind(const Weight& w, const std::vector<Activation>& act, const float* 
 // rows [r0, r0 + count) of the call (count <= 8) into y
 void run_eight(const Call& c, int64_t r0, int64_t count, float* y) {
   const Weight& w = c.w;
+  if (super_blocks(w.kind)) return krows_eight(c, r0, count, y);
   std::vector<Activation> act;
   for (int64_t r = r0; r < r0 + count; ++r) act.push_back(quantize_row(c.x.data_ptr<float>() + r * w.k, w.k, w.kind));
   const float* bp = ptr_or_null(c.bias);
@@ -216,10 +186,7 @@ void run_eight(const Call& c, int64_t r0, int64_t count, float* y) {
   switch (w.kind) {
     case Q8_0: run_kind<Q8_0>(w, act, bp, op, yp, c.n_out, c.swiglu); break;
     case Q4_0: run_kind<Q4_0>(w, act, bp, op, yp, c.n_out, c.swiglu); break;
-    case Q4_1: run_kind<Q4_1>(w, act, bp, op, yp, c.n_out, c.swiglu); break;
-    case Q4_K: run_kind<Q4_K>(w, act, bp, op, yp, c.n_out, c.swiglu); break;
-    case Q5_K: run_kind<Q5_K>(w, act, bp, op, yp, c.n_out, c.swiglu); break;
-    default: run_kind<Q6_K>(w, act, bp, op, yp, c.n_out, c.swiglu); break;
+    default: run_kind<Q4_1>(w, act, bp, op, yp, c.n_out, c.swiglu); break;
   }
 }
 

@@ -138,6 +138,15 @@ inline void unpack_pair(int64_t kind, const Row& r, int64_t p, int64_t nb, uint8
 #ifdef CELLSERVE_QUANT_VNNI
 inline float half_to_float(const c10::Half& h) { return _cvtsh_ss(h.x); }
 
+// 16 floats rounded half away from zero (exactly std::round) to int32
+inline __m512i round_away(__m512 v) {
+  const __m512 t = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
+  const __m512 sign = _mm512_and_ps(v, _mm512_castsi512_ps(_mm512_set1_epi32(INT32_MIN)));
+  const __m512 frac = _mm512_abs_ps(_mm512_sub_ps(v, t));  // exact
+  const __mmask16 up = _mm512_cmp_ps_mask(frac, _mm512_set1_ps(0.5f), _CMP_GE_OQ);
+  return _mm512_cvttps_epi32(_mm512_mask_add_ps(t, up, t, _mm512_or_ps(sign, _mm512_set1_ps(1.f))));
+}
+
 // The 64 unsigned weight values of pair p (the second block zero when `half`), in the kernels' order.
 template <int KIND>
 inline __m512i load_pair(const Row& r, int64_t p, bool half) {

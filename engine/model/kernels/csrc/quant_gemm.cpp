@@ -57,15 +57,6 @@ struct Acts {
   std::vector<PairActs> v;  // [tile][pair]
 };
 
-// 16 floats rounded half away from zero (exactly std::round) to int32
-inline __m512i round_away(__m512 v) {
-  const __m512 t = _mm512_roundscale_ps(v, _MM_FROUND_TO_ZERO | _MM_FROUND_NO_EXC);
-  const __m512 sign = _mm512_and_ps(v, _mm512_castsi512_ps(_mm512_set1_epi32(INT32_MIN)));
-  const __m512 frac = _mm512_abs_ps(_mm512_sub_ps(v, t));  // exact
-  const __mmask16 up = _mm512_cmp_ps_mask(frac, _mm512_set1_ps(0.5f), _CMP_GE_OQ);
-  return _mm512_cvttps_epi32(_mm512_mask_add_ps(t, up, t, _mm512_or_ps(sign, _mm512_set1_ps(1.f))));
-}
-
 // One row: q in the pair order (pair p at q + p * stride); per block da (the K-quants: its super-block's,
 // llama.cpp's q8_K) and the sums of its halves.
 template <int KIND>

@@ -31,13 +31,55 @@ namespace {
 
 using namespace cq;
 
-// One row of x rounded per super-block (see above); bs: 16 int16 a super-block (q4_k, q5_k: the 8 blocks'
-// sums, then zeros; q6_k: the 16 groups' sums, group 2 * block + half).
+// A super-block's 256 inputs in "quad order": per 128 (4 blocks of 32), the first halves (16 each) of the
+// 4 blocks, then their second halves; so that one 64-byte load of the weight's nibbles (4 blocks x 16
+// bytes: element j low, element j + 16 high) gives, masked, the low half of a quad and, shifted, the
+// high half, with no shuffle, and the 4 chunks (128-bit lanes) of either are the quad's 4 blocks.
+inline int quad_pos(int b, int i) { return (b / 4) * 128 + (i / 16) * 64 + (b % 4) * 16 + i % 16; }
+
+// One row of x rounded per super-block (see above), quad order; bs: 16 int16 a super-block (q4_k, q5_k:
+// the 8 blocks' sums, then zeros; q6_k: the 16 groups' sums, group 2 * block + half).
 struct KAct {
   std::vector<int8_t> q;
   std::vector<float> da;
   std::vector<int16_t> bs;
 };
+
+// One super-block of a row: its int8 values into q and the sums into bs; returns da.
+inline float quantize_super(const float* xs, int64_t kind, int8_t* q, int16_t* bs) {
+#ifdef CELLSERVE_QUANT_VNNI  // vectorized, the same values (round_away is std::round)
+  __m512 m = _mm512_setzero_ps();
+  for (int i = 0; i < 256; i += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(xs + i)));
+  const float da = _mm512_reduce_max_ps(m) / 127.f;
+  const __m512 inv = _mm512_set1_ps(da != 0.f ? 1.f / da : 0.f);
+  for (int b = 0; b < 8; ++b) {
+    int sums[2];
+    for (int h = 0; h < 2; ++h) {
+      const __m512i v = round_away(_mm512_mul_ps(_mm512_loadu_ps(xs + b * 32 + h * 16), inv));
+      sums[h] = _mm512_reduce_add_epi32(v);
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(q + quad_pos(b, h * 16)), _mm512_cvtsepi32_epi8(v));
+    }
+#else
+  float amax = 0.f;
+  for (int i = 0; i < 256; ++i) amax = std::max(amax, std::fabs(xs[i]));
+  const float da = amax / 127.f, inv = da != 0.f ? 1.f / da : 0.f;
+  for (int b = 0; b < 8; ++b) {
+    int sums[2] = {0, 0};
+    for (int i = 0; i < 32; ++i) {
+      const int8_t v = static_cast<int8_t>(std::round(xs[b * 32 + i] * inv));
+      q[quad_pos(b, i)] = v;
+      sums[i / 16] += v;
+    }
+#endif
+    if (kind == Q6_K) {
+      bs[2 * b] = static_cast<int16_t>(sums[0]);
+      bs[2 * b + 1] = static_cast<int16_t>(sums[1]);
+    } else {
+      bs[b] = static_cast<int16_t>(sums[0] + sums[1]);
+    }
+  }
+  return da;
+}
 
 KAct quantize_krow(const float* x, int64_t k, int64_t kind) {
   const int64_t sbs = k / 256;
@@ -45,50 +87,49 @@ KAct quantize_krow(const float* x, int64_t k, int64_t kind) {
   a.q.assign(k, 0);
   a.da.assign(sbs, 0.f);
   a.bs.assign(sbs * 16, 0);
-  for (int64_t s = 0; s < sbs; ++s) {
-    const float* xs = x + s * 256;
-    float amax = 0.f;
-    for (int i = 0; i < 256; ++i) amax = std::max(amax, std::fabs(xs[i]));
-    const float da = amax / 127.f, inv = da != 0.f ? 1.f / da : 0.f;
-    a.da[s] = da;
-    for (int b = 0; b < 8; ++b) {
-      int8_t* dst = a.q.data() + (s * 4 + b / 2) * 64;
-      int sums[2] = {0, 0};
-      for (int i = 0; i < 32; ++i) {
-        const int8_t v = static_cast<int8_t>(std::round(xs[b * 32 + i] * inv));
-        dst[pair_pos(kind, b % 2, i)] = v;
-        sums[i / 16] += v;
-      }
-      int16_t* bs = a.bs.data() + s * 16;
-      if (kind == Q6_K) {
-        bs[2 * b] = static_cast<int16_t>(sums[0]);
-        bs[2 * b + 1] = static_cast<int16_t>(sums[1]);
-      } else {
-        bs[b] = static_cast<int16_t>(sums[0] + sums[1]);
-      }
-    }
-  }
+  for (int64_t s = 0; s < sbs; ++s) a.da[s] = quantize_super(x + s * 256, kind, a.q.data() + s * 256, a.bs.data() + s * 16);
   return a;
 }
 
 #ifdef CELLSERVE_QUANT_VNNI
-// Per pair place j in the super-block, the scale index of each 16-bit lane l of the pair: chunk c = l / 8
-// is half c / 2 of the pair's block c % 2, so sub-block 2j + c % 2 (q4_k, q5_k) or group 4j + 2 (c % 2) + c / 2
-// (q6_k). Pair j's index is kIdx + j * kStep.
+// Quad h of super-block s of a row, unpacked: lo = the 4 blocks' elements 0..15, hi = 16..31 (quad order).
+// q5_k/q6_k: the high-bit planes hold 64 bits a pair in the pair order (quant_blocks.h), so the quad's two
+// pairs' masks are recombined: their low 32 bits (the first halves) for lo, the high 32 for hi.
+template <int KIND>
+inline void load_quad(const Row& r, int64_t s, int h, __m512i* lo, __m512i* hi) {
+  const __m512i v = _mm512_loadu_si512(r.qs + s * 128 + h * 64);
+  const __m512i nib = _mm512_set1_epi8(0x0F);
+  *lo = _mm512_and_si512(v, nib);
+  *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+  if constexpr (KIND == Q5_K || KIND == Q6_K) {
+    constexpr int planes = KIND == Q5_K ? 1 : 2;
+    const uint8_t* qh = r.qh + (s * 4 + 2 * h) * 8 * planes;
+    for (int pl = 0; pl < planes; ++pl) {
+      uint64_t b0, b1;
+      std::memcpy(&b0, qh + 8 * pl, 8);
+      std::memcpy(&b1, qh + 8 * planes + 8 * pl, 8);
+      const __m512i bit = _mm512_set1_epi8(static_cast<char>(16 << pl));
+      *lo = _mm512_mask_add_epi8(*lo, _cvtu64_mask64((b0 & 0xFFFFFFFFull) | (b1 << 32)), *lo, bit);
+      *hi = _mm512_mask_add_epi8(*hi, _cvtu64_mask64((b0 >> 32) | (b1 & 0xFFFFFFFF00000000ull)), *hi, bit);
+    }
+  }
+}
+
+// The scale index of each 16-bit lane l of a quad's low half: chunk l / 8 is block 4h + l / 8 (q4_k, q5_k;
+// the high half the same) or group 2 (4h + l / 8) (q6_k; the high half + 1); kIdx is h = 0.
 template <int KIND>
 struct ScaleIdx {
   alignas(64) int16_t v[32];
   constexpr ScaleIdx() : v{} {
-    for (int l = 0; l < 32; ++l) v[l] = static_cast<int16_t>(KIND == Q6_K ? 2 * (l / 8 % 2) + l / 16 : l / 8 % 2);
+    for (int l = 0; l < 32; ++l) v[l] = static_cast<int16_t>(KIND == Q6_K ? 2 * (l / 8) : l / 8);
   }
 };
 template <int KIND>
 constexpr ScaleIdx<KIND> kIdx{};
-template <int KIND>
-constexpr int16_t kStep = KIND == Q6_K ? 4 : 2;
 
 template <int KIND, int M>
 void dot_krows(const Row& r, int64_t sbs, const KAct* act, float* out) {
+  constexpr int A = M <= 4 ? 2 : 1;  // int32 accumulators a row (two: shorter dependency chains)
   const __m512i idx = _mm512_load_si512(kIdx<KIND>.v);
   __m512 acc[M];
   for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_ps();
@@ -100,27 +141,33 @@ void dot_krows(const Row& r, int64_t sbs, const KAct* act, float* out) {
     } else {
       sc16 = _mm512_zextsi256_si512(_mm256_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r.sc + s * 8))));
     }
-    __m512i iacc[M];
-    for (int i = 0; i < M; ++i) iacc[i] = _mm512_setzero_si512();
-    for (int j = 0; j < 4; ++j) {
-      const int64_t p = s * 4 + j;
-      const __m512i w = load_pair<KIND>(r, p, false);
-      const __m512i scj = _mm512_permutexvar_epi16(_mm512_add_epi16(idx, _mm512_set1_epi16(kStep<KIND> * j)), sc16);
+    __m512i iacc[M][A];
+    for (int i = 0; i < M; ++i)
+      for (int t = 0; t < A; ++t) iacc[i][t] = _mm512_setzero_si512();
+    for (int h = 0; h < 2; ++h) {
+      __m512i lo, hi;
+      load_quad<KIND>(r, s, h, &lo, &hi);
+      const __m512i at = _mm512_add_epi16(idx, _mm512_set1_epi16(static_cast<int16_t>(KIND == Q6_K ? 8 * h : 4 * h)));
+      const __m512i slo = _mm512_permutexvar_epi16(at, sc16);
+      const __m512i shi = KIND == Q6_K ? _mm512_permutexvar_epi16(_mm512_add_epi16(at, _mm512_set1_epi16(1)), sc16) : slo;
       for (int i = 0; i < M; ++i) {
-        const __m512i prod = _mm512_maddubs_epi16(w, _mm512_loadu_si512(act[i].q.data() + p * 64));
-        iacc[i] = _mm512_dpwssd_epi32(iacc[i], prod, scj);
+        const int8_t* aq = act[i].q.data() + s * 256 + h * 128;
+        iacc[i][0] = _mm512_dpwssd_epi32(iacc[i][0], _mm512_maddubs_epi16(lo, _mm512_loadu_si512(aq)), slo);
+        iacc[i][A - 1] = _mm512_dpwssd_epi32(iacc[i][A - 1], _mm512_maddubs_epi16(hi, _mm512_loadu_si512(aq + 64)), shi);
       }
     }
+    if constexpr (A == 2)
+      for (int i = 0; i < M; ++i) iacc[i][0] = _mm512_add_epi32(iacc[i][0], iacc[i][1]);
     const float d = half_to_float(r.d[s]);
     if constexpr (KIND == Q6_K) {
       const __m512i zsc = _mm512_mullo_epi16(sc16, _mm512_set1_epi16(-32));  // -32 * sc_g, |.| <= 4,096
       for (int i = 0; i < M; ++i) {
         const __m512i bs = _mm512_maskz_loadu_epi16(0xFFFF, act[i].bs.data() + s * 16);
-        iacc[i] = _mm512_dpwssd_epi32(iacc[i], zsc, bs);
+        iacc[i][0] = _mm512_dpwssd_epi32(iacc[i][0], zsc, bs);
       }
     }
     for (int i = 0; i < M; ++i)
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[i]), _mm512_set1_ps(d * act[i].da[s]), acc[i]);
+      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[i][0]), _mm512_set1_ps(d * act[i].da[s]), acc[i]);
     if constexpr (KIND != Q6_K) {
       const float dmin = half_to_float(r.m[s]);
       const __m512i mn16 =
@@ -141,14 +188,15 @@ void dot_krows(const Row& r, int64_t sbs, const KAct* act, float* out) {
   for (int i = 0; i < M; ++i) out[i] = 0.f;
   for (int64_t s = 0; s < sbs; ++s) {
     int64_t isum[M] = {}, msum[M] = {};
-    for (int64_t p = s * 4; p < s * 4 + 4; ++p) {
-      unpack_values(KIND, r, p, 8 * sbs, q);
-      for (int c = 0; c < 4; ++c) {  // chunk c: 16 weights of one scale group
-        const int64_t b = 2 * p + chunk_block(KIND, c);
-        const int sc = KIND == Q6_K ? static_cast<int8_t>(r.sc[2 * b + chunk_half(KIND, c)]) : r.sc[b];
+    for (int b = 0; b < 8; ++b) {
+      const int64_t blk = s * 8 + b;
+      if (b % 2 == 0) unpack_values(KIND, r, blk / 2, 8 * sbs, q);  // the pair order
+      for (int half = 0; half < 2; ++half) {  // a scale group (q6_k) or half a block
+        const int sc = KIND == Q6_K ? static_cast<int8_t>(r.sc[2 * blk + half]) : r.sc[blk];
         for (int i = 0; i < M; ++i) {
+          const int8_t* a = act[i].q.data() + s * 256;
           int dot = 0;
-          for (int e = 16 * c; e < 16 * c + 16; ++e) dot += int(q[e]) * act[i].q[p * 64 + e];
+          for (int e = 16 * half; e < 16 * half + 16; ++e) dot += int(q[pair_pos(KIND, b % 2, e)]) * a[quad_pos(b, e)];
           isum[i] += sc * dot;
         }
       }

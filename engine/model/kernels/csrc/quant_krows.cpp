@@ -43,6 +43,7 @@ struct KAct {
   std::vector<int8_t> q;
   std::vector<float> da;
   std::vector<int16_t> bs;
+  std::vector<float> ms;  // q4_k, q5_k: da * bs of each block (the mins' term, in floats, VNNI build)
 };
 
 // One super-block of a row: its int8 values into q and the sums into bs; returns da.
@@ -88,6 +89,10 @@ KAct quantize_krow(const float* x, int64_t k, int64_t kind) {
   a.da.assign(sbs, 0.f);
   a.bs.assign(sbs * 16, 0);
   for (int64_t s = 0; s < sbs; ++s) a.da[s] = quantize_super(x + s * 256, kind, a.q.data() + s * 256, a.bs.data() + s * 16);
+  if (kind != Q6_K) {
+    a.ms.assign(sbs * 8, 0.f);
+    for (int64_t b = 0; b < sbs * 8; ++b) a.ms[b] = a.da[b / 8] * static_cast<float>(a.bs[(b / 8) * 16 + b % 8]);
+  }
   return a;
 }
 
@@ -98,9 +103,12 @@ KAct quantize_krow(const float* x, int64_t k, int64_t kind) {
 template <int KIND>
 inline void load_quad(const Row& r, int64_t s, int h, __m512i* lo, __m512i* hi) {
   const __m512i v = _mm512_loadu_si512(r.qs + s * 128 + h * 64);
-  const __m512i nib = _mm512_set1_epi8(0x0F);
-  *lo = _mm512_and_si512(v, nib);
-  *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), nib);
+  *lo = _mm512_and_si512(v, _mm512_set1_epi8(0x0F));
+#ifdef __GFNI__  // each byte shifted right by 4 in one instruction (the bit matrix of x >> 4)
+  *hi = _mm512_gf2p8affine_epi64_epi8(v, _mm512_set1_epi64(0x1020408000000000ll), 0);
+#else
+  *hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), _mm512_set1_epi8(0x0F));
+#endif
   if constexpr (KIND == Q5_K || KIND == Q6_K) {
     constexpr int planes = KIND == Q5_K ? 1 : 2;
     const uint8_t* qh = r.qh + (s * 4 + 2 * h) * 8 * planes;
@@ -115,41 +123,67 @@ inline void load_quad(const Row& r, int64_t s, int h, __m512i* lo, __m512i* hi) 
   }
 }
 
-// The scale index of each 16-bit lane l of a quad's low half: chunk l / 8 is block 4h + l / 8 (q4_k, q5_k;
-// the high half the same) or group 2 (4h + l / 8) (q6_k; the high half + 1); kIdx is h = 0.
-template <int KIND>
+// The scales of each 16-bit lane l of quad h's low half: chunk l / 8 is block 4h + l / 8, the high half the
+// same (q4_k, q5_k: `bytes` picks the scale byte into the lane's low byte, the high one masked to zero), or
+// group 2 (4h + l / 8), the high half + 1 (q6_k: `words` picks from the int16 scales; h = 0).
 struct ScaleIdx {
-  alignas(64) int16_t v[32];
-  constexpr ScaleIdx() : v{} {
-    for (int l = 0; l < 32; ++l) v[l] = static_cast<int16_t>(KIND == Q6_K ? 2 * (l / 8) : l / 8);
+  alignas(64) int8_t bytes[2][64];
+  alignas(64) int16_t words[32];
+  constexpr ScaleIdx() : bytes{}, words{} {
+    for (int l = 0; l < 32; ++l) {
+      for (int h = 0; h < 2; ++h) bytes[h][2 * l] = static_cast<int8_t>(4 * h + l / 8);
+      words[l] = static_cast<int16_t>(2 * (l / 8));
+    }
   }
 };
-template <int KIND>
-constexpr ScaleIdx<KIND> kIdx{};
+constexpr ScaleIdx kIdx{};
+
+// acc[i] -= sum over the row's blocks of (dmin * mn_b) * (da * bs_b) (q4_k, q5_k: the mins' term), 16 blocks
+// (two super-blocks) a step, in floats: act.ms holds da * bs_b a block.
+template <int M>
+inline void sub_mins(const Row& r, int64_t sbs, const KAct* act, __m512* acc) {
+  const __m512i two = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
+  for (int64_t s = 0; s < sbs; s += 2) {
+    const bool one = s + 1 == sbs;
+    const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(one ? 0xFF : 0xFFFF, r.mn + s * 8)));
+    const __m128 dm = _mm_cvtph_ps(_mm_maskz_loadu_epi16(one ? 0x1 : 0x3, r.m + s));
+    const __m512 wm = _mm512_mul_ps(mn, _mm512_permutexvar_ps(two, _mm512_castps128_ps512(dm)));
+    for (int i = 0; i < M; ++i)
+      acc[i] = _mm512_fnmadd_ps(wm, _mm512_maskz_loadu_ps(one ? 0xFF : 0xFFFF, act[i].ms.data() + s * 8), acc[i]);
+  }
+}
 
 template <int KIND, int M>
 void dot_krows(const Row& r, int64_t sbs, const KAct* act, float* out) {
   constexpr int A = M <= 4 ? 2 : 1;  // int32 accumulators a row (two: shorter dependency chains)
-  const __m512i idx = _mm512_load_si512(kIdx<KIND>.v);
   __m512 acc[M];
   for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_ps();
+  if constexpr (KIND != Q6_K) sub_mins<M>(r, sbs, act, acc);
+  alignas(64) float dw[16];  // d of 16 super-blocks as floats, read back as broadcasts
   for (int64_t s = 0; s < sbs; ++s) {
-    // the super-block's scales as int16 in lanes [0, 8) (q4_k, q5_k) or [0, 16) (q6_k), zeros above
-    __m512i sc16;
+    if (s % 16 == 0) {
+      const int64_t n = std::min<int64_t>(16, sbs - s);
+      _mm512_store_ps(dw, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), r.d + s)));
+    }
+    __m512i raw;  // the super-block's scales: bytes [0, 8) (q4_k, q5_k), or int16 lanes [0, 16) (q6_k)
     if constexpr (KIND == Q6_K) {
-      sc16 = _mm512_zextsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r.sc + s * 16))));
+      raw = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r.sc + s * 16))));
     } else {
-      sc16 = _mm512_zextsi256_si512(_mm256_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r.sc + s * 8))));
+      raw = _mm512_castsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r.sc + s * 8)));
     }
     __m512i iacc[M][A];
     for (int i = 0; i < M; ++i)
       for (int t = 0; t < A; ++t) iacc[i][t] = _mm512_setzero_si512();
     for (int h = 0; h < 2; ++h) {
-      __m512i lo, hi;
+      __m512i lo, hi, slo, shi;
       load_quad<KIND>(r, s, h, &lo, &hi);
-      const __m512i at = _mm512_add_epi16(idx, _mm512_set1_epi16(static_cast<int16_t>(KIND == Q6_K ? 8 * h : 4 * h)));
-      const __m512i slo = _mm512_permutexvar_epi16(at, sc16);
-      const __m512i shi = KIND == Q6_K ? _mm512_permutexvar_epi16(_mm512_add_epi16(at, _mm512_set1_epi16(1)), sc16) : slo;
+      if constexpr (KIND == Q6_K) {
+        const __m512i at = _mm512_add_epi16(_mm512_load_si512(kIdx.words), _mm512_set1_epi16(static_cast<int16_t>(8 * h)));
+        slo = _mm512_permutexvar_epi16(at, raw);
+        shi = _mm512_permutexvar_epi16(_mm512_add_epi16(at, _mm512_set1_epi16(1)), raw);
+      } else {
+        slo = shi = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, _mm512_load_si512(kIdx.bytes[h]), raw);
+      }
       for (int i = 0; i < M; ++i) {
         const int8_t* aq = act[i].q.data() + s * 256 + h * 128;
         iacc[i][0] = _mm512_dpwssd_epi32(iacc[i][0], _mm512_maddubs_epi16(lo, _mm512_loadu_si512(aq)), slo);
@@ -158,26 +192,16 @@ void dot_krows(const Row& r, int64_t sbs, const KAct* act, float* out) {
     }
     if constexpr (A == 2)
       for (int i = 0; i < M; ++i) iacc[i][0] = _mm512_add_epi32(iacc[i][0], iacc[i][1]);
-    const float d = half_to_float(r.d[s]);
     if constexpr (KIND == Q6_K) {
-      const __m512i zsc = _mm512_mullo_epi16(sc16, _mm512_set1_epi16(-32));  // -32 * sc_g, |.| <= 4,096
+      const __m512i zsc = _mm512_mullo_epi16(raw, _mm512_set1_epi16(-32));  // -32 * sc_g, |.| <= 4,096
       for (int i = 0; i < M; ++i) {
-        const __m512i bs = _mm512_maskz_loadu_epi16(0xFFFF, act[i].bs.data() + s * 16);
+        const __m512i bs = _mm512_maskz_loadu_epi16(0xFFFF, act[i].bs.data() + s * 16);  // zeros above 16
         iacc[i][0] = _mm512_dpwssd_epi32(iacc[i][0], zsc, bs);
       }
     }
+    const __m512 d = _mm512_set1_ps(dw[s % 16]);
     for (int i = 0; i < M; ++i)
-      acc[i] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(iacc[i][0]), _mm512_set1_ps(d * act[i].da[s]), acc[i]);
-    if constexpr (KIND != Q6_K) {
-      const float dmin = half_to_float(r.m[s]);
-      const __m512i mn16 =
-          _mm512_zextsi256_si512(_mm256_cvtepu8_epi16(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r.mn + s * 8))));
-      for (int i = 0; i < M; ++i) {
-        const __m512i bs = _mm512_maskz_loadu_epi16(0xFF, act[i].bs.data() + s * 16);
-        const __m512 md = _mm512_cvtepi32_ps(_mm512_madd_epi16(mn16, bs));  // lanes [0, 4): the pairs of blocks
-        acc[i] = _mm512_fmadd_ps(md, _mm512_set1_ps(-dmin * act[i].da[s]), acc[i]);
-      }
-    }
+      acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(iacc[i][0]), d), _mm512_set1_ps(act[i].da[s]), acc[i]);
   }
   for (int i = 0; i < M; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
 }

@@ -86,8 +86,10 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "~1/4 of float32's bytes; int4: Q4_1, ~1/6; the LM head Q8_0) and run them on the "
                         "quantized kernels; Llama/Mistral/Qwen2 models; not with a GGUF served quantized")
     p.add_argument("--kv-cache-dtype", default=ENGINE.kv_cache_dtype, choices=list(KV_CACHE_DTYPES),
-                   help="KV cells' storage (auto: the model's dtype; int8: int8 with a float32 scale per cell and "
-                        "kv head, about half of bf16's bytes, so a --kv-memory budget holds ~2x the cells)")
+                   help="KV cells' storage (int8: int8 with a float32 scale per cell and kv head, about half of "
+                        "bf16's bytes, so a --kv-memory budget holds ~2x the cells; model: the model's dtype; "
+                        "auto: int8 when the weights are quantized (a .gguf served from its blocks, --quantize), "
+                        "the model's dtype otherwise)")
     p.add_argument("--attention", default=ENGINE.attention, choices=["fast", "reference"],
                    help="fast: read only visible cells (default); reference: dense mask over the pool")
     p.add_argument("--served-model-name", default=None, help="model id reported by the API")

@@ -11,7 +11,9 @@ from pathlib import Path
 
 SPECULATIVE_METHODS = ("auto", "ngram", "off", None)
 QUANTIZE_MODES = ("none", "int8", "int4")  # weight-only, 32-weight blocks (engine/loader/quantize.py)
-KV_CACHE_DTYPES = ("auto", "int8")  # KV cells: the model's dtype, or int8 + a float32 scale per cell and kv head
+# KV cells: "model" = the model's (activation) dtype; "int8" = int8 + a float32 scale per cell and kv head;
+# "auto" = int8 where the weights are quantized (a GGUF served from its blocks, --quantize), else "model"
+KV_CACHE_DTYPES = ("auto", "model", "int8")
 DEFAULT_SLOTS = 256  # sequence slots in the cell pool at least (persistent and cached sequences hold one)
 
 
@@ -25,7 +27,8 @@ class EngineArgs:
     # forward's quantized kernels; Llama-family models only, not with a GGUF served from its own blocks
     quantize: str = "none"
     # "int8": KV cells stored as int8 with a float32 scale per (cell, kv head) (engine/cells/int8_kv.py), about
-    # half of bf16's bytes a cell, so kv_memory_bytes holds ~2x the cells; "auto": the model's dtype
+    # half of bf16's bytes a cell, so kv_memory_bytes holds ~2x the cells; "model": the model's dtype; "auto"
+    # (`kv_cache_dtype_for`): int8 for quantized weights, the model's dtype otherwise
     kv_cache_dtype: str = "auto"
     n_cells: int | None = None  # KV pool size in tokens (or give kv_memory_bytes); None: the runner's rule
     kv_memory_bytes: int | None = None
@@ -68,7 +71,8 @@ class EngineArgs:
             raise ValueError(f"quantize={self.quantize!r}: use one of {', '.join(QUANTIZE_MODES)}")
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r}: use one of {', '.join(KV_CACHE_DTYPES)} "
-                             f"(auto: the model's dtype; int8: about half the bytes a cell)")
+                             f"(model: the model's dtype; int8: about half of bf16's bytes a cell; auto: int8 "
+                             f"for quantized weights, else the model's dtype)")
         if self.draft_model is not None and self.speculative in ("off", None):
             raise ValueError("a draft model drafts only with speculative 'auto' or 'ngram': drop the draft model "
                              "or turn speculative decoding on")
@@ -84,6 +88,20 @@ class EngineArgs:
         """What a `ModelRunner` takes from these args (the benchmarks build one over an in-memory model)."""
         return {"n_cells": self.n_cells, "kv_memory_bytes": self.kv_memory_bytes, "max_seqs": self.max_seqs,
                 "threads": self.threads, "attention": self.attention, "kv_cache_dtype": self.kv_cache_dtype}
+
+
+def kv_cache_dtype_for(choice: str, quantized_weights: bool) -> str:
+    """What `--kv-cache-dtype` means for a model: "auto" is int8 cells when the weights are quantized and the
+    model's dtype otherwise. Why: a quantized file's activations are float32, so float cells would take 4
+    bytes a value, twice llama.cpp's default f16 cache and more than the weights of a small model;
+    int8 cells (per cell and kv head scales) cost 0.15-0.2% perplexity on SmolLM2 (docs/performance.md),
+    well inside what the weights' own quantization already moves. Float weights keep their dtype's cells,
+    as vLLM's `auto` does."""
+    if choice not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype={choice!r}: use one of {', '.join(KV_CACHE_DTYPES)}")
+    if choice == "auto":
+        return "int8" if quantized_weights else "model"
+    return choice
 
 
 def _env_int(name: str, default: int) -> int:

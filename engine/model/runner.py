@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from engine.api.args import KV_CACHE_DTYPES
+from engine.api.args import KV_CACHE_DTYPES, kv_cache_dtype_for
 from engine.api.errors import ModelSourceError
 from engine.cells import int8_kv
 from engine.cells.cache import DEFAULT_MAX_SEQS, CellCache
@@ -49,10 +49,11 @@ def kv_bytes_per_cell(config, dtype: torch.dtype, kv_cache_dtype: str = "auto") 
 
 
 def kv_dtype_of(kv_cache_dtype: str) -> torch.dtype | None:
-    """The pools' storage dtype for `--kv-cache-dtype` (None: the model's own); a clear error otherwise."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: use one of {', '.join(KV_CACHE_DTYPES)} "
-                         f"(auto: the model's dtype; int8: int8 cells with a scale per cell and kv head)")
+    """The pools' storage dtype for a resolved `--kv-cache-dtype` (None: the model's own); a clear error
+    otherwise."""
+    if kv_cache_dtype not in KV_CACHE_DTYPES or kv_cache_dtype == "auto":
+        raise ValueError(f"kv_cache_dtype={kv_cache_dtype!r}: use one of model, int8 (auto is resolved by "
+                         f"engine.api.args.kv_cache_dtype_for first)")
     return torch.int8 if kv_cache_dtype == "int8" else None
 
 
@@ -77,7 +78,8 @@ class ModelRunner:
     `tensors`: a GGUF file's weights, quantized linears kept quantized (engine/loader/gguf_tensors.py);
     `model` is then a placeholder skeleton and only the native forward can run it.
 
-    `kv_cache_dtype`: "auto" keeps the cells in the model's dtype; "int8" stores them as int8 with a float32
+    `kv_cache_dtype`: "model" keeps the cells in the model's dtype; "auto" is int8 when the weights are
+    quantized (`tensors` given) and "model" otherwise (`kv_cache_dtype_for`); "int8" stores them as int8 with a float32
     scale per (cell, kv head) (`engine/cells/int8_kv.py`), so a `kv_memory_bytes` budget holds ~2x the cells
     of bf16 (~4x of float32). The native forward writes and reads them in place (fused kernels, or eager
     ops dequantizing only the rows a step reads); the transformers path dequantizes the step's read window.
@@ -99,6 +101,7 @@ class ModelRunner:
     ):
         if attention not in ATTENTION_PATHS:
             raise ValueError(f"attention={attention!r}: choose one of {ATTENTION_PATHS}")
+        kv_cache_dtype = kv_cache_dtype_for(kv_cache_dtype, quantized_weights=tensors is not None)
         kv_dtype = kv_dtype_of(kv_cache_dtype)
         if threads:
             torch.set_num_threads(threads)

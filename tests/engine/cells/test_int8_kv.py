@@ -9,7 +9,7 @@ import torch
 from tiny_models import full_logits, tiny_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from engine.api.args import EngineArgs
+from engine.api.args import EngineArgs, kv_cache_dtype_for
 from engine.cells import int8_kv
 from engine.cells.cache import CellCacheError
 from engine.model.runner import ModelRunner, kv_bytes_per_cell
@@ -69,10 +69,21 @@ def test_one_memory_budget_holds_about_twice_bf16s_cells_and_four_times_float32s
 
 
 def test_a_bad_kv_cache_dtype_is_a_clear_error():
-    with pytest.raises(ValueError, match="kv_cache_dtype='fp8': use one of auto, int8"):
+    with pytest.raises(ValueError, match="kv_cache_dtype='fp8': use one of auto, model, int8"):
         EngineArgs(kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match="kv_cache_dtype='int4': use one of auto, int8"):
+    with pytest.raises(ValueError, match="kv_cache_dtype='int4': use one of auto, model, int8"):
         ModelRunner(tiny_model("llama_gqa"), n_cells=8, kv_cache_dtype="int4")
+
+
+def test_auto_is_int8_cells_for_quantized_weights_and_the_models_dtype_otherwise():
+    assert kv_cache_dtype_for("auto", quantized_weights=True) == "int8"
+    assert kv_cache_dtype_for("auto", quantized_weights=False) == "model"
+    for choice in ("model", "int8"):  # an explicit choice is kept either way
+        assert kv_cache_dtype_for(choice, True) == kv_cache_dtype_for(choice, False) == choice
+    for kv in ("auto", "model"):  # float weights: cells in the model's dtype
+        runner = ModelRunner(_wide_llama(torch.bfloat16), n_cells=16, kv_cache_dtype=kv)
+        runner.run({0: (list(range(3, 9)), 0)})
+        assert runner.kv_cache_dtype == "model" and runner.cache.layers[0].keys.dtype == torch.bfloat16
 
 
 def _prefilled(model, ids, kv="int8"):

@@ -80,7 +80,7 @@ def test_the_folder_holds_no_weights_and_the_runner_one_copy(served):
 @pytest.mark.parametrize("fused", [True, False], ids=["kernels", "eager"])
 def test_logits_match_the_dequantized_oracle_and_greedy_tokens_agree(served, fused):
     _, _, folder, oracle = served
-    runner = ModelRunner.from_pretrained(folder, n_cells=128)
+    runner = ModelRunner.from_pretrained(folder, n_cells=128, kv_cache_dtype="model")  # the weights alone
     assert runner.native.fused == kernels.load()
     runner.native.fused = fused and kernels.load()
     hist = {0: _prompt(21, 1), 1: _prompt(6, 2)}
@@ -105,7 +105,7 @@ def test_logits_match_the_dequantized_oracle_and_greedy_tokens_agree(served, fus
 def test_llm_serves_a_gguf_quantized(served, monkeypatch, tmp_path):
     _, path, _, oracle = served
     monkeypatch.setenv("CELLSERVE_HOME", str(tmp_path))
-    llm = LLM(str(path), dtype="quantized", n_cells=256)
+    llm = LLM(str(path), dtype="quantized", n_cells=256, kv_cache_dtype="model")  # the weights alone
     assert llm.engine.runner.native.head.__class__ is QuantLinear
     prompt = _prompt(12, 5)
     got = llm.generate([prompt], SamplingParams(max_tokens=6, temperature=0, ignore_eos=True))[0]
@@ -113,6 +113,34 @@ def test_llm_serves_a_gguf_quantized(served, monkeypatch, tmp_path):
     for _ in range(6):
         ids.append(int(full_logits(oracle, ids)[-1].argmax()))
     assert list(got.outputs[0].token_ids) == ids[len(prompt):]
+
+
+def test_quantized_weights_get_int8_cells_by_default_and_model_keeps_float(served):
+    """`--kv-cache-dtype auto` (the default) is int8 cells for quantized weights (a quantized file's
+    activations are float32: float cells would be 4 bytes a value, twice llama.cpp's f16 cache); "model"
+    keeps float32 cells. Both follow the dequantized oracle: within DECODE_ATOL (the weights' int8
+    activations) plus, for int8 cells, 1% of the largest logit (their rounding: tests/engine/model/
+    test_int8_kv_model.py), teacher-forced on the oracle's greedy tokens."""
+    _, _, folder, oracle = served
+    for choice, dtype in (("auto", torch.int8), ("int8", torch.int8), ("model", torch.float32)):
+        runner = ModelRunner.from_pretrained(folder, n_cells=64, kv_cache_dtype=choice)
+        assert runner.kv_cache_dtype == ("model" if choice == "model" else "int8")
+        cfg = runner.config
+        values = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * (cfg.hidden_size // cfg.num_attention_heads)
+        if dtype == torch.float32:
+            assert runner.cell_bytes == 4 * values
+        else:  # one byte a value plus a float32 scale per (layer, kv head) row of K and of V
+            assert values < runner.cell_bytes < 2 * values
+        ids = _prompt(9, 3)
+        out = runner.run({0: (ids, 0)})
+        assert runner.cache.layers[0].keys.dtype == dtype
+        for _ in range(4):
+            want = full_logits(oracle, ids)[-1]
+            slack = 0.01 * float(want.abs().max()) if dtype == torch.int8 else 0.0
+            torch.testing.assert_close(out[0], want, atol=DECODE_ATOL + slack, rtol=0)
+            nxt = int(want.argmax())
+            out = runner.run({0: ([nxt], len(ids))})
+            ids.append(nxt)
 
 
 def test_a_float_folder_refuses_quantized(tmp_path):

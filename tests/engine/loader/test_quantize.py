@@ -164,7 +164,7 @@ def _prompt(n, seed, vocab):
 
 @pytest.mark.parametrize("mode", FORMATS)
 def test_logits_are_the_float_oracles_within_the_stated_bound(model_dir, oracle, mode):
-    runner = ModelRunner.from_pretrained(model_dir, quantize=mode, n_cells=128)
+    runner = ModelRunner.from_pretrained(model_dir, quantize=mode, n_cells=128, kv_cache_dtype="model")  # weights alone
     vocab = oracle.config.vocab_size
     hist = {0: _prompt(19, 1, vocab), 1: _prompt(7, 2, vocab)}
     out = runner.run({s: (hist[s], 0) for s in hist})
@@ -181,7 +181,7 @@ def test_logits_are_the_float_oracles_within_the_stated_bound(model_dir, oracle,
 
 @pytest.mark.parametrize("mode", FORMATS)
 def test_without_the_kernels_logits_are_the_dequantized_oracles(model_dir, oracle, mode):
-    runner = ModelRunner.from_pretrained(model_dir, quantize=mode, n_cells=64)
+    runner = ModelRunner.from_pretrained(model_dir, quantize=mode, n_cells=64, kv_cache_dtype="model")  # weights alone
     runner.native.fused = False  # fp32 tiles: no activation rounding
     deq = copy.deepcopy(oracle)  # the oracle given the quantized weights, dequantized
     with torch.no_grad():

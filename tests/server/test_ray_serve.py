@@ -277,7 +277,10 @@ def test_killed_replica_fails_fast_restarts_and_says_so(url):
         lines = s.iter_lines()
         next(line for line in lines if line.startswith("data: "))
         t.start()
-        time.sleep(0.5)
+        deadline = time.monotonic() + 30  # the blocking request must be running on r1 before the kill (on a
+        while c.get("/v1/cache").json()["requests"]["running"] < 2:  # loaded machine 0.5 s was not always enough)
+            assert time.monotonic() < deadline, "the blocking request never started"
+            time.sleep(0.05)
         t0 = time.monotonic()
         os.kill(pid, signal.SIGKILL)
         tail = [line for line in lines if line.startswith("data: ")]

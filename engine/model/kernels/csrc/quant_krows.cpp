@@ -9,16 +9,18 @@
 // per 16-weight group) and 6-bit mins mn, q the unsigned weight values, a the int8 activations:
 //   isum = sum_g sc_g * sum_{k in g} q_k a_k   (q6_k: - 32 * sum_g sc_g * bs_g)
 //   y   += (d * da) * isum                     (q4_k, q5_k: - (dmin * da) * sum_j mn_j * bs_j)
-// With VNNI, per pair of 32-blocks: `vpmaddubsw` (unsigned weight bytes x signed activation bytes -> int16
-// sums of two products), then `vpdpwssd` by each 16-bit lane's integer scale (the super-block's scales as
-// int16, spread over a pair's lanes once a pair with one `vpermw`, shared by the rows) into one int32
-// accumulator a row; the float work (two conversions and multiply-adds, the mins' `vpmaddwd`) is once a
-// super-block, not once a pair. The weight unpacking is shared by the rows, as in quant_linear.cpp.
-// Ranges: a `vpmaddubsw` lane is at most 2 * 15 * 127 = 3,810 (q4_k), 2 * 31 * 127 = 7,874 (q5_k),
-// 2 * 63 * 127 = 16,002 (q6_k) in size: below 32,767, so never saturated. An int32 lane takes two of them
-// times a scale (<= 63; q6_k <= 128) per pair, 4 pairs a super-block: <= 4 * 2 * 16,002 * 128 = 16.4M;
-// q6_k's zero-point term adds <= 2 * (32 * 128) * (16 * 127) = 16.6M; the mins' dot <= 2 * 63 * 4,064
-// a lane. All far below 2^31.
+// With VNNI, per 128 weights (a "quad" of 4 blocks, below), the weight bytes unpacked once for all the
+// rows, per row: q4_k, q5_k: two `vpdpbusd` (unsigned weight bytes x signed activation bytes, 8 products
+// an int32 lane, all of one block) and one `vpdpwssd` by the lane's scale (its low int16 half; the scales
+// spread once a quad by one masked `vpermb`); q6_k: per half quad (one scale group a chunk of 16 weights)
+// `vpmaddubsw` (int16 sums of two products) and `vpdpwssd` by each int16 lane's scale (`vpermw`). The
+// float work is once a super-block (convert, times d and da); the mins' term in a float pass per row.
+// Ranges: q4_k, q5_k: an int32 lane of the two `vpdpbusd` is at most 8 * 15 * 127 = 15,240 (q4_k),
+// 8 * 31 * 127 = 31,496 (q5_k) in size: it fits its low int16 half, which `vpdpwssd` multiplies (the high
+// half meets a zero); times a scale (<= 63), 2 quads a super-block: <= 4.0M. q6_k: a `vpmaddubsw` lane is
+// at most 2 * 63 * 127 = 16,002 (< 32,767: never saturated); times a scale (<= 128), 2 of them an int32
+// lane, 2 halves x 2 quads a super-block: <= 16.4M; the zero-point term adds <= 2 * (32 * 128) * (16 * 127)
+// = 16.6M. All far below 2^31.
 // Without VNNI the same integers are summed in plain C (the same activation rounding), so both builds agree
 // up to fp32 summation order.
 #include <ATen/Parallel.h>
@@ -123,17 +125,17 @@ inline void load_quad(const Row& r, int64_t s, int h, __m512i* lo, __m512i* hi) 
   }
 }
 
-// The scales of each 16-bit lane l of quad h's low half: chunk l / 8 is block 4h + l / 8, the high half the
-// same (q4_k, q5_k: `bytes` picks the scale byte into the lane's low byte, the high one masked to zero), or
-// group 2 (4h + l / 8), the high half + 1 (q6_k: `words` picks from the int16 scales; h = 0).
+// The scales of a quad's lanes: chunk c (128-bit lane c, int32 lanes 4c..4c+3, int16 lanes 8c..8c+7) of
+// either half of quad h is block 4h + c: q4_k, q5_k: `bytes` picks that scale byte into each int32 lane's
+// low byte (the others masked to zero); q6_k: the low half's chunk c is group 2 (4h + c), the high half's
+// that + 1: `words` picks it (h = 0) from the int16 scales into each int16 lane.
 struct ScaleIdx {
   alignas(64) int8_t bytes[2][64];
   alignas(64) int16_t words[32];
   constexpr ScaleIdx() : bytes{}, words{} {
-    for (int l = 0; l < 32; ++l) {
-      for (int h = 0; h < 2; ++h) bytes[h][2 * l] = static_cast<int8_t>(4 * h + l / 8);
-      words[l] = static_cast<int16_t>(2 * (l / 8));
-    }
+    for (int l = 0; l < 16; ++l)
+      for (int h = 0; h < 2; ++h) bytes[h][4 * l] = static_cast<int8_t>(4 * h + l / 4);
+    for (int l = 0; l < 32; ++l) words[l] = static_cast<int16_t>(2 * (l / 8));
   }
 };
 constexpr ScaleIdx kIdx{};
@@ -155,7 +157,7 @@ inline void sub_mins(const Row& r, int64_t sbs, const KAct* act, __m512* acc) {
 
 template <int KIND, int M>
 void dot_krows(const Row& r, int64_t sbs, const KAct* act, float* out) {
-  constexpr int A = M <= 4 ? 2 : 1;  // int32 accumulators a row (two: shorter dependency chains)
+  constexpr int A = KIND == Q6_K && M <= 4 ? 2 : 1;  // int32 accumulators a row (two: shorter chains)
   __m512 acc[M];
   for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_ps();
   if constexpr (KIND != Q6_K) sub_mins<M>(r, sbs, act, acc);
@@ -182,12 +184,18 @@ void dot_krows(const Row& r, int64_t sbs, const KAct* act, float* out) {
         slo = _mm512_permutexvar_epi16(at, raw);
         shi = _mm512_permutexvar_epi16(_mm512_add_epi16(at, _mm512_set1_epi16(1)), raw);
       } else {
-        slo = shi = _mm512_maskz_permutexvar_epi8(0x5555555555555555ull, _mm512_load_si512(kIdx.bytes[h]), raw);
+        slo = shi = _mm512_maskz_permutexvar_epi8(0x1111111111111111ull, _mm512_load_si512(kIdx.bytes[h]), raw);
       }
       for (int i = 0; i < M; ++i) {
         const int8_t* aq = act[i].q.data() + s * 256 + h * 128;
-        iacc[i][0] = _mm512_dpwssd_epi32(iacc[i][0], _mm512_maddubs_epi16(lo, _mm512_loadu_si512(aq)), slo);
-        iacc[i][A - 1] = _mm512_dpwssd_epi32(iacc[i][A - 1], _mm512_maddubs_epi16(hi, _mm512_loadu_si512(aq + 64)), shi);
+        if constexpr (KIND == Q6_K) {
+          iacc[i][0] = _mm512_dpwssd_epi32(iacc[i][0], _mm512_maddubs_epi16(lo, _mm512_loadu_si512(aq)), slo);
+          iacc[i][A - 1] = _mm512_dpwssd_epi32(iacc[i][A - 1], _mm512_maddubs_epi16(hi, _mm512_loadu_si512(aq + 64)), shi);
+        } else {  // both halves' chunk c is one block: 8 products an int32 lane, then times its scale
+          __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(aq));
+          t = _mm512_dpbusd_epi32(t, hi, _mm512_loadu_si512(aq + 64));
+          iacc[i][0] = _mm512_dpwssd_epi32(iacc[i][0], t, slo);
+        }
       }
     }
     if constexpr (A == 2)

@@ -9,6 +9,7 @@ each give a failed record with a distinct error label; nothing raises out of `st
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -126,6 +127,7 @@ def _finish_record(rec: RequestRecord, st: _StreamState, end: float) -> RequestR
     rec.chunk_times = st.chunks
     rec.ttft = st.chunks[0] if st.chunks else None
     rec.output_chars = st.chars
+    rec.output_digest = hashlib.sha1("".join(st.parts).encode()).hexdigest()[:16]
     usage = st.usage or {}
     if isinstance(usage.get("completion_tokens"), int):
         rec.output_tokens, rec.usage_reported = usage["completion_tokens"], True
@@ -136,6 +138,10 @@ def _finish_record(rec: RequestRecord, st: _StreamState, end: float) -> RequestR
     details = usage.get("prompt_tokens_details")
     if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
         rec.cached_tokens = details["cached_tokens"]
+    drafts = usage.get("completion_tokens_details")
+    if isinstance(drafts, dict) and isinstance(drafts.get("accepted_prediction_tokens"), int):
+        rec.accepted_draft_tokens = drafts["accepted_prediction_tokens"]
+        rec.rejected_draft_tokens = drafts.get("rejected_prediction_tokens")
     if st.error is not None:
         msg = st.error.get("message", st.error) if isinstance(st.error, dict) else st.error
         return rec.fail("sse_error", f"error event mid-stream: {msg}")

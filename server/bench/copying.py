@@ -1,8 +1,8 @@
 """Workloads whose answer repeats the prompt: where speculative decoding from the prompt pays.
 
 `--workload edit`: "rename this function everywhere and return the whole code", over a short Python
-module; `--workload quote`: "repeat this passage word for word", over a passage of plain sentences.
-Both ask for the chat endpoint (an instruction-following model copies; a completion would not) and are
+module; `--workload quote`: "repeat this passage word for word", over a passage of plain sentences;
+`--workload summarise`: "summarise this passage, quoting its key sentences word for word". All three ask for the chat endpoint (an instruction-following model copies; a completion would not) and are
 pure functions of (seed, request index): names, numbers and words vary per request, so no two prompts
 are the same text and neither server answers one from a cached reply. `--input-len` sets about how many
 words the code or passage holds; the answer is about as long, so `--output-len` should be at least that.
@@ -30,6 +30,7 @@ _SENTENCES = (
 )
 
 
+COPY_KINDS = ("edit", "quote", "summarise")
 _NAMES = tuple(w for w in WORDS if len(w) > 2 and not keyword.iskeyword(w))  # words that can name things
 
 
@@ -59,7 +60,8 @@ def passage(rng: random.Random, n_words: int) -> str:
 
 @dataclass
 class CopyWorkload:
-    """`kind` "edit" or "quote": prompts whose answer repeats about `input_len` words of the prompt."""
+    """`kind` "edit", "quote" or "summarise": prompts whose answer repeats (all or some of) about `input_len`
+    words of the prompt."""
 
     kind: str = "quote"
     input_len: int = 128
@@ -68,8 +70,8 @@ class CopyWorkload:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.kind not in ("edit", "quote"):
-            raise ValueError(f"copy workload kind {self.kind!r}: use edit or quote")
+        if self.kind not in COPY_KINDS:
+            raise ValueError(f"copy workload kind {self.kind!r}: use one of {', '.join(COPY_KINDS)}")
         check_lens(self, "input_len", "output_len")
 
     def prompt(self, index: int) -> Prompt:
@@ -78,6 +80,9 @@ class CopyWorkload:
             code, name = program(rng, self.input_len)
             user = (f"Rename the function `{name}` to `new_{name}` everywhere in this code and return the whole "
                     f"code.\n\n```python\n{code}```")
+        elif self.kind == "summarise":
+            user = (f"Summarise the following passage in a few sentences. Quote its most important sentences "
+                    f"word for word, in quotation marks.\n\n{passage(rng, self.input_len)}")
         else:
             user = f"Repeat the following passage word for word.\n\n{passage(rng, self.input_len)}"
         return Prompt(user=user, max_tokens=self.output_len, words=len(user.split()))

@@ -11,10 +11,11 @@ from server.bench.copying import CopyWorkload
 from server.bench.forktree import run_tree
 from server.bench.multiturn import MultiTurnWorkload, run_conversation
 from server.bench.records import RequestRecord
+from server.bench.regen import RegenWorkload, run_regen
 from server.bench.runner import Job
 from server.bench.workloads import ForkTreeWorkload, RandomWorkload, SharedPrefixWorkload
 
-Workload = RandomWorkload | SharedPrefixWorkload | ForkTreeWorkload | MultiTurnWorkload | CopyWorkload
+Workload = RandomWorkload | SharedPrefixWorkload | ForkTreeWorkload | MultiTurnWorkload | CopyWorkload | RegenWorkload
 
 
 def make_job(workload: Workload, opts: RequestOptions, base_url: str) -> tuple[Job, int]:
@@ -29,6 +30,11 @@ def make_job(workload: Workload, opts: RequestOptions, base_url: str) -> tuple[J
             return await run_conversation(client, base_url, workload.conversation(i), i, t0, opts)
 
         return conversation_job, 1
+    if isinstance(workload, RegenWorkload):
+        async def regen_job(client: httpx.AsyncClient, i: int, t0: float) -> list[RequestRecord]:
+            return await run_regen(client, base_url, workload.question(i), workload.output_len, i, t0, opts)
+
+        return regen_job, 1
 
     async def request_job(client: httpx.AsyncClient, i: int, t0: float) -> list[RequestRecord]:
         prompt = workload.prompt(i)

@@ -21,7 +21,8 @@ class RequestRecord:
     `output_tokens` is the server's `usage.completion_tokens` when it sent one, else the number of
     content chunks (`usage_reported` says which). `cached_tokens` is the server's
     `usage.prompt_tokens_details.cached_tokens` (prompt tokens served from its prefix cache), when sent;
-    `turn` is the 1-based turn number of a multi-turn conversation's request.
+    `turn` is the 1-based turn number of a multi-turn conversation's request; `output_digest` a digest of
+    the text it streamed (equal digests: equal outputs, e.g. speculative decoding on and off, greedy).
     """
 
     index: int
@@ -44,6 +45,9 @@ class RequestRecord:
     cleanup_failures: int = 0
     turn: int | None = None
     cached_tokens: int | None = None
+    output_digest: str | None = None  # the streamed text's sha1 (16 hex): compares two servers' outputs
+    accepted_draft_tokens: int | None = None  # usage.completion_tokens_details' speculative counts, when sent
+    rejected_draft_tokens: int | None = None
 
     @property
     def ok(self) -> bool:

@@ -19,11 +19,12 @@ import sys
 import httpx
 
 from server.bench.client import RequestOptions, fetch_default_model
-from server.bench.copying import CopyWorkload
+from server.bench.copying import COPY_KINDS, CopyWorkload
 from server.bench.forktree import probe_sequences
 from server.bench.jobs import Workload, make_job
 from server.bench.metrics import Slo, Summary, parse_slo, summarize
 from server.bench.multiturn import MultiTurnWorkload
+from server.bench.regen import RegenWorkload, regen_rate
 from server.bench.report import full_report, print_report, results_json, write_json
 from server.bench.runner import Level, LevelResult, run_level
 from server.bench.workloads import ForkTreeWorkload, RandomWorkload, SharedPrefixWorkload
@@ -67,9 +68,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--duration", type=float, help="stop issuing new requests after this many seconds")
     g.add_argument("--seed", type=int, default=0, help="seed of prompts and arrival times")
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=["random", "shared-prefix", "fork-tree", "multi-turn", "edit", "quote"],
+    g.add_argument("--workload", choices=["random", "shared-prefix", "fork-tree", "multi-turn", *COPY_KINDS, "regen"],
                    default="random", help="multi-turn: conversations resending their history through "
-                   "/v1/chat/completions; edit / quote: answers that repeat the prompt (chat endpoint)")
+                   "/v1/chat/completions; edit / quote / summarise: answers that repeat the prompt (chat "
+                   "endpoint); regen: a sequence answers, then a fork at the answer's start regenerates it")
     g.add_argument("--input-len", type=int, default=256, help="prompt words (about one token each)")
     g.add_argument("--output-len", type=int, default=128, help="max_tokens per request")
     g.add_argument("--range-ratio", type=float, default=0.0, help="lengths vary uniformly by +-this fraction")
@@ -139,7 +141,9 @@ def build_workload(args: argparse.Namespace) -> Workload:
             return ForkTreeWorkload(branches=args.branches, branch_len=args.branch_len, **common)
         if args.workload == "multi-turn":
             return MultiTurnWorkload(turns=args.turns, system_len=args.system_len, **common)
-        if args.workload in ("edit", "quote"):
+        if args.workload == "regen":
+            return RegenWorkload(**common)
+        if args.workload in COPY_KINDS:
             if args.endpoint != "chat":
                 raise ValueError(f"--workload {args.workload} asks a chat model to copy: add --endpoint chat")
             return CopyWorkload(kind=args.workload, **common)
@@ -182,7 +186,7 @@ async def _resolve_model(args: argparse.Namespace, base: str) -> str:
 
 
 async def _probe(args: argparse.Namespace, base: str, opts: RequestOptions) -> str | None:
-    if args.workload != "fork-tree":
+    if args.workload not in ("fork-tree", "regen"):
         return None
     async with httpx.AsyncClient(timeout=httpx.Timeout(args.timeout)) as client:
         return await probe_sequences(client, base, opts)
@@ -234,6 +238,11 @@ def run_args(args: argparse.Namespace, command: str | None = None) -> int:
                    "args": {k: v for k, v in vars(args).items() if k != "func" and k != "api_key"}},
     }
     print_report(full_report(run, results, summaries))
+    if args.workload == "regen":
+        for r in results:
+            rate = regen_rate(r.records)
+            print(f"{r.level.label()}: regenerates {'-' if rate is None else f'{rate:.2f}'} tok/s (their tokens over "
+                  "their latency)")
     if args.out:
         print(f"results: {write_json(args.out, results_json(run, results, summaries))}")
     if args.plot:

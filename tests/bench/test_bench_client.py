@@ -359,7 +359,7 @@ def test_copy_workloads_repeat_their_prompt_and_vary():
     quote = CopyWorkload(kind="quote", input_len=50, seed=2).prompt(0)
     text = quote.user.split("\n\n", 1)[1]
     assert quote.user.startswith("Repeat the following passage") and len(text.split()) >= 50
-    with pytest.raises(ValueError, match="edit or quote"):
+    with pytest.raises(ValueError, match="edit, quote, summarise"):
         CopyWorkload(kind="summary")
 
 

@@ -6,11 +6,13 @@ The oracle: the same file dequantized to float32 by transformers (`from_pretrain
 Tolerances, and why:
 - quantized kinds only (q4_k_m, q5_k): the eager path and every many-row call equal the oracle's
   arithmetic up to fp32 summation order: atol 1e-4 on the logits (prefill). With the kernels, 1-8-row
-  calls round activations per 32-block to int8 (tests/engine/model/test_quant_linear.py bounds it per
-  linear): through 2 layers (hidden 256) and the head the logits moved by < 0.02 when measured;
-  asserted at 0.05, and the greedy tokens must be the oracle's.
+  calls round activations to int8, per 256-weight super-block for the K-quants (llama.cpp's q8_K;
+  tests/engine/model/test_quant_linear.py bounds it per linear): through 2 layers (hidden 256) and the
+  head the logits moved by < 0.03 when measured; asserted at 0.05, and the greedy tokens must be the
+  oracle's wherever the oracle's top two logits are more than twice the measured error apart (closer,
+  a near-tie the rounding may flip: measured once, a gap of 0.012 under an error of 0.018).
 - fallback: the bf16 tensors round each weight to 8 significant bits (relative 2^-9): the logits moved
-  by < 0.02 when measured (prefill and decode); asserted at 0.05, greedy tokens the oracle's.
+  by < 0.02 when measured (prefill and decode); asserted at 0.05, greedy tokens as above.
 """
 
 import logging
@@ -122,7 +124,9 @@ def test_logits_match_the_dequantized_oracle(served, fused):
             want = full_logits(oracle, hist[s])[-1]
             worst = max(worst, float((out[s] - want).abs().max()))
             torch.testing.assert_close(out[s], want, atol=ATOL if small or name == "fallback" else 1e-4, rtol=0)
-            assert int(out[s].argmax()) == int(want.argmax())
+            top2 = want.topk(2).values
+            if float(top2[0] - top2[1]) > 2 * float((out[s] - want).abs().max()):  # not a near-tie
+                assert int(out[s].argmax()) == int(want.argmax())
     print(f"{name} decode logits max |diff| {worst:.4f}")
 
 

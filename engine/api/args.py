@@ -50,7 +50,7 @@ class EngineArgs:
     # streaming the weights, not by compute); "off" (or None) never. CELLSERVE_SPECULATIVE overrides the
     # default (the oracle suite runs with "ngram" forced on).
     speculative: str | None = field(default_factory=lambda: os.environ.get("CELLSERVE_SPECULATIVE") or "auto")
-    num_speculative_tokens: int = 4  # the longest draft a sequence carries into one step
+    num_speculative_tokens: int = 8  # the longest draft a sequence carries into one step (adaptive: 1 .. this)
     # A draft model (engine/core/draft_model.py): a HF folder, a .gguf file or a known name of the target's
     # tokenizer (resolved as `model`), drafting where no model-free draft exists; its own dtype ("auto": a
     # .gguf's own blocks where they can run) and its own cell pool of the target's size. None: no draft model.

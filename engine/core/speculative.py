@@ -74,11 +74,17 @@ def lookup_draft(history: list[int], sources: list[list[int]], k: int) -> list[i
             if ends - n < 0:
                 continue
             windows = tokens[:ends].unfold(0, n, 1)
-            hits = (windows == key).all(1).nonzero()
-            for start in reversed(hits.flatten().tolist()[-4:]):  # the most recent few with a continuation
+            hits = (windows == key).all(1).nonzero().flatten().tolist()[-4:]
+            # the most recent few: the first with a whole draft's continuation, else the longest one
+            best: list[int] = []
+            for start in reversed(hits):
                 follow = tokens[start + n : start + n + k].tolist()
-                if follow:
-                    return follow
+                if len(follow) > len(best):
+                    best = follow
+                if len(best) == k:
+                    break
+            if best:
+                return best
     return []
 
 
@@ -187,8 +193,9 @@ class SpeculativeDecoder:
             if by_model:
                 self.drafter.drafted += len(c.draft)
                 self.drafter.accepted += drafts_kept
-            # adapt: a draft kept whole may grow by one next time; else it shrinks to what was kept, plus one
-            seq.draft_len = min(self.k, len(c.draft) + 1) if drafts_kept == len(c.draft) else drafts_kept + 1
+            # adapt: a draft kept whole may double next time (a copy runs for long: reach k in a few ticks);
+            # else it shrinks to what was kept, plus one
+            seq.draft_len = min(self.k, max(2 * len(c.draft), seq.draft_len or self.k)) if drafts_kept == len(c.draft) else drafts_kept + 1
             seq.draft_misses = 0 if drafts_kept else seq.draft_misses + 1
             seq.draft_pause = min(AUTO_MAX_PAUSE, 2 ** seq.draft_misses) if seq.draft_misses else 0
             self._trim(seq, start + drafts_kept, start + len(c.draft))

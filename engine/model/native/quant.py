@@ -5,20 +5,24 @@ A `QuantWeight` (engine/loader/gguf_tensors.py: Q8_0, Q4_0, Q4_1 in 32-weight bl
 copy of a linear's weight. `QuantLinear` has `Linear`'s interface
 (call, `silu`, `times`, `plus`, `is_small`, `small`) plus `swiglu` for a [gate; up] weight:
 - with the fused kernels built and AVX-512 VNNI, up to `BF16_ROWS` rows run in integers: the rows
-  quantized once per call per 32-block to int8 and dotted with the weight blocks (bias, residual add
-  and SiLU*up fused). Up to `ROW_KERNEL_ROWS` rows (decode): `torch.ops.cellserve.quant_linear`
-  (engine/model/kernels/csrc/quant_linear.cpp), which streams each weight block once for all the rows;
+  quantized once per call to int8 (per 32-block; the K-quants per 256-weight super-block, llama.cpp's
+  q8_K) and dotted with the weight blocks (bias, residual add and SiLU*up fused). Up to
+  `ROW_KERNEL_ROWS` rows (decode; the K-quants `K_ROW_KERNEL_ROWS`): `torch.ops.cellserve.quant_linear`
+  (engine/model/kernels/csrc/quant_linear.cpp; the K-quants quant_krows.cpp, which sums each
+  super-block in integers), which streams each weight block once for all the rows;
   more (batched decode): `torch.ops.cellserve.quant_gemm` (csrc/quant_gemm.cpp), a blocked GEMM that
   unpacks 32 weight rows x 512 inputs at a time and runs every row over them in int32 registers. Both
   round the activations alike, so their error against dequantize-then-`F.linear` is the same: at most
-  sum_k |w_k| * da_b(k) / 2 per output (tests/engine/model/test_quant_linear.py).
+  sum_k |w_k| * da(k) / 2 per output, da(k) input k's block or super-block scale
+  (tests/engine/model/test_quant_linear.py).
 - `BF16_ROWS` rows and more (prefill) where the CPU multiplies bf16 natively (AVX512-BF16; AMX under
   oneDNN): the weight is dequantized to bf16 one tile of `TILE_BYTES` at a time
   (`quant_dequant_bf16`, vectorized) and multiplied by torch's bf16 matmul with x rounded to bf16;
   error: the three bf16 roundings (x, W, the output), within the bound the tests state.
   The crossovers were measured (`python -m engine.bench.quant_kernels`, docs/performance.md issue 26):
-  the row kernel wins at 1-3 rows, the GEMM from 4 to ~64-96 rows, bf16 tiles above; the GEMM is
-  5-20x faster than the fp32 tiles below at every row count, bf16 tiles 2-6x at 512 rows.
+  the row kernel wins at 1-3 rows (the K-quants' at 1-8), the GEMM up to ~64-96 rows, bf16 tiles
+  above; the GEMM is 5-20x faster than the fp32 tiles below at every row count, bf16 tiles 2-6x at
+  512 rows.
 - no VNNI (or `gemm` switched off: the bench's A/B baseline): 1 to 8 rows on the row kernel (plain C
   without VNNI), more rows dequantized to float32 one tile of `TILE_BYTES` at a time (`quant_dequant`,
   or torch ops without the kernels) and multiplied by `torch.mm`, so at most one tile of float32 exists
@@ -40,6 +44,9 @@ from engine.model.native.linear import Linear
 TILE_BYTES = 8 << 20  # float32 bytes of weight unpacked at once on the fp32-tile path
 MAX_SMALL_ROWS = 8  # rows the row kernel takes when the GEMM is off
 ROW_KERNEL_ROWS = 3  # rows the row kernel takes when the GEMM is on (measured crossover: 2-4)
+# the K-quants' row kernel (integer sums per super-block) beat the GEMM up to 8-12 rows on one thread
+# (python -m engine.bench.quant_kernels --kinds q4_k,q6_k --rows 4,8,16)
+K_ROW_KERNEL_ROWS = 8
 BF16_ROWS = 80  # from this many rows bf16 tiles, where the CPU multiplies bf16 natively (measured: 64-96)
 
 
@@ -58,6 +65,7 @@ class QuantLinear:
         self.small = False  # NativeLlama.fused sets it: the fused kernels are loaded
         self.gemm = True  # many rows on quant_gemm (with `small` and VNNI); off: fp32 tiles, the old path
         self.tile = max(16, TILE_BYTES // (4 * self.in_features))
+        self.row_rows = K_ROW_KERNEL_ROWS if weight.kind in ("q4_k", "q5_k", "q6_k") else ROW_KERNEL_ROWS
 
     @property
     def nbytes(self) -> int:
@@ -75,7 +83,7 @@ class QuantLinear:
         if not integers:
             return "fp32"
         if self.gemm:
-            return "gemm" if rows > ROW_KERNEL_ROWS else "rows"
+            return "gemm" if rows > self.row_rows else "rows"
         return "rows" if rows <= MAX_SMALL_ROWS else "fp32"
 
     def is_small(self, x: torch.Tensor) -> bool:

@@ -160,7 +160,8 @@ def test_many_rows_gemm(kind, k):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_quant_linear_many_rows_in_integers(kind):
-    """QuantLinear with the kernels: 1-2 rows on the row kernel, more on the GEMM, every verb."""
+    """QuantLinear with the kernels: few rows on the row kernel (up to 3; K-quants 8), more on the GEMM,
+    every verb."""
     n, k = 90, _k(kind, 160)
     w, ref = _weight(kind, n, k, seed=5)
     lin = QuantLinear(w, torch.randn(n))

@@ -155,6 +155,19 @@ inline void sub_mins(const Row& r, int64_t sbs, const KAct* act, __m512* acc) {
   }
 }
 
+// Decode streams the whole weight from memory once a token, where one core's demand misses alone reached
+// ~10 GB/s; prefetching the bytes of the super-block kAhead on (past a row's end: the next row's, the
+// arrays being row after row; a prefetch never faults) keeps more lines in flight: a 151 MB q4_k weight
+// (32768 x 8192), one row, one thread: 15 -> 9.3 ms (16.7 GB/s); 16 and 24 ahead measured a little slower.
+constexpr int64_t kAhead = 32;
+template <int KIND>
+inline void prefetch_ahead(const Row& r, int64_t s) {
+  const char* qs = reinterpret_cast<const char*>(r.qs + s * 128);
+  _mm_prefetch(qs, _MM_HINT_T0);
+  _mm_prefetch(qs + 64, _MM_HINT_T0);
+  if constexpr (KIND != Q4_K) _mm_prefetch(reinterpret_cast<const char*>(r.qh + s * (KIND == Q5_K ? 32 : 64)), _MM_HINT_T0);
+}
+
 template <int KIND, int M>
 void dot_krows(const Row& r, int64_t sbs, const KAct* act, float* out) {
   constexpr int A = KIND == Q6_K && M <= 4 ? 2 : 1;  // int32 accumulators a row (two: shorter chains)
@@ -167,6 +180,7 @@ void dot_krows(const Row& r, int64_t sbs, const KAct* act, float* out) {
       const int64_t n = std::min<int64_t>(16, sbs - s);
       _mm512_store_ps(dw, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), r.d + s)));
     }
+    prefetch_ahead<KIND>(r, s + kAhead);
     __m512i raw;  // the super-block's scales: bytes [0, 8) (q4_k, q5_k), or int16 lanes [0, 16) (q6_k)
     if constexpr (KIND == Q6_K) {
       raw = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r.sc + s * 16))));

@@ -1,5 +1,5 @@
 // quant_blocks.h: the repacked block quantizations as the kernels read them (quant_linear.cpp: 1 to 8
-// rows and dequantization; quant_gemm.cpp: many rows).
+// rows and dequantization; quant_krows.cpp: 1 to 8 rows of the K-quants; quant_gemm.cpp: many rows).
 //
 // A weight [N, K] of kind q8_0, q4_0, q4_1 (32-weight blocks), q4_k, q5_k or q6_k (256-weight
 // super-blocks of 32- or 16-weight groups) is up to six arrays, one row of blocks per output row

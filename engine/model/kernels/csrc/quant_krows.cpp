@@ -2,7 +2,7 @@
 // (q4_k, q5_k, q6_k), accumulating in integers over each 256-weight super-block, as llama.cpp's q4_K x q8_K.
 //
 // Activations (llama.cpp's q8_K): each row is rounded per super-block to int8, one scale da = amax / 127 per
-// 256 inputs, half away from zero, laid out in the pair order (quant_blocks.h); with per super-block the
+// 256 inputs, half away from zero, laid out in the quad order (below); with per super-block the
 // sums bs of the int8 values of each 32-block (q4_k, q5_k: for the mins) or of each 16-weight group (q6_k:
 // for the zero point 32), as int16 (|bs| <= 32 * 127).
 // Per super-block and row, with the weight's integer scales sc (q4_k, q5_k: 6-bit per 32-block; q6_k: int8

@@ -9,8 +9,8 @@ Tolerances, and why:
   calls round activations to int8, per 256-weight super-block for the K-quants (llama.cpp's q8_K;
   tests/engine/model/test_quant_linear.py bounds it per linear): through 2 layers (hidden 256) and the
   head the logits moved by < 0.03 when measured; asserted at 0.05, and the greedy tokens must be the
-  oracle's wherever the oracle's top two logits are more than twice the measured error apart (closer,
-  a near-tie the rounding may flip: measured once, a gap of 0.012 under an error of 0.018).
+  oracle's at all but at most one of the 12 decode steps (a near-tie the rounding may flip: measured
+  once, a gap of 0.012 under an error of 0.018).
 - fallback: the bf16 tensors round each weight to 8 significant bits (relative 2^-9): the logits moved
   by < 0.02 when measured (prefill and decode); asserted at 0.05, greedy tokens as above.
 """
@@ -114,7 +114,7 @@ def test_logits_match_the_dequantized_oracle(served, fused):
     out = runner.run({0: (hist[0], 0), 1: (hist[1], 0)})
     for s in (0, 1):
         torch.testing.assert_close(out[s], full_logits(oracle, hist[s])[-1], atol=prefill_atol, rtol=0)
-    worst = 0.0
+    worst, flips = 0.0, 0
     for step in range(8):  # one row, then two
         seqs = (0,) if step < 4 else (0, 1)
         nxt = {s: int(out[s].argmax()) for s in seqs}
@@ -124,10 +124,9 @@ def test_logits_match_the_dequantized_oracle(served, fused):
             want = full_logits(oracle, hist[s])[-1]
             worst = max(worst, float((out[s] - want).abs().max()))
             torch.testing.assert_close(out[s], want, atol=ATOL if small or name == "fallback" else 1e-4, rtol=0)
-            top2 = want.topk(2).values
-            if float(top2[0] - top2[1]) > 2 * float((out[s] - want).abs().max()):  # not a near-tie
-                assert int(out[s].argmax()) == int(want.argmax())
-    print(f"{name} decode logits max |diff| {worst:.4f}")
+            flips += int(out[s].argmax()) != int(want.argmax())
+    print(f"{name} decode logits max |diff| {worst:.4f}, greedy flips {flips} of 12")
+    assert flips <= 1  # a near-tie at most (the logits' bound above holds at every step regardless)
 
 
 def test_quantized_share(served):

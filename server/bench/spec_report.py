@@ -83,7 +83,7 @@ def plot(rs: list[dict], path: str) -> None:
     ax.set_xticks(range(len(shown)), [f"{r['workload']}\n{r['label']} c{r['clients']}" for r in shown],
                   rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("tok/s, auto / off (same round)")
-    ax.set_title("cellserve speculative decoding over HTTP (SmolLM2-135M-Instruct, 2 vCPUs)", fontsize=9)
+    ax.set_title("cellserve speculative decoding over HTTP, auto / off (SmolLM2-135M-Instruct)", fontsize=9)
     for c, col in colors.items():
         ax.bar([0], [0], color=col, alpha=0.75, label=f"{c} client{'s' if c > 1 else ''}")
     ax.legend(fontsize=7)

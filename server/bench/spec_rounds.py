@@ -37,7 +37,7 @@ SERVE = [str(Path(sys.executable).parent / "cellserve"), "serve"]
 COPY = {"input_len": 100, "output_len": 300}  # words of passage / code; answers end at EOS
 SHAPES = {"quote": COPY, "edit": COPY, "summarise": COPY, "regen": {"input_len": 16, "output_len": 128},
           "random": {"input_len": 64, "output_len": 128}}
-REQUESTS = {1: 3, 8: 8, 32: 32}  # requests per level by client count (else 1 per client)
+REQUESTS = {1: 2, 8: 8, 32: 32}  # requests per level by client count (else 1 per client)
 
 
 def _cpu_seconds(pid: int) -> float:
@@ -128,7 +128,7 @@ def _one_server(args, cmd: list[str], meta: dict, workload: str, seed: int, out:
 def run(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for rnd in range(1, args.rounds + 1):
+    for rnd in range(args.first_round, args.first_round + args.rounds):
         for workload in args.workloads.split(","):
             modes = ["auto", "off"] if rnd % 2 else ["off", "auto"]
             for mode in modes:
@@ -141,11 +141,13 @@ def run(args) -> None:
 def llama(args) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    for rnd in range(1, args.rounds + 1):
+    for rnd in range(args.first_round, args.first_round + args.rounds):
         for workload in args.workloads.split(","):
             for mode, extra in (("llama-ngram", ["--spec-type", "ngram-simple"]), ("llama-none", [])):
+                serve = shlex.split(args.serve_args)  # the same thread count as cellserve's
+                threads = serve[serve.index("--threads") + 1] if "--threads" in serve else "2"
                 cmd = [args.llama_server, "-m", args.model, "--port", str(args.port), "-np", "8", "-c", "16384",
-                       "-t", "2", "--no-repack", *extra]
+                       "-t", threads, "--no-repack", *extra]
                 meta = {"label": args.label, "mode": mode, "round": rnd, "server": shlex.join(cmd)}
                 _one_server(args, cmd, meta, workload, args.seed + rnd, out)
 
@@ -160,6 +162,7 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--workloads", default="quote,edit,summarise,regen")
         s.add_argument("--clients", default="1,8" if name == "run" else "1")
         s.add_argument("--rounds", type=int, default=2)
+        s.add_argument("--first-round", type=int, default=1, help="number rounds from here (more rounds into a DIR)")
         s.add_argument("--seed", type=int, default=0)
         s.add_argument("--port", type=int, default=8123)
         s.add_argument("--out", required=True)

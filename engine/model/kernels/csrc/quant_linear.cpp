@@ -96,8 +96,12 @@ void dot_rows(const Row& r, int64_t nb, const Activation* act, float* out) {
   constexpr bool has_m = KIND == Q4_1;
   __m512 acc[M];
   for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_ps();
+  constexpr int64_t pair_bytes = KIND == Q8_0 ? 64 : 32;
   for (int64_t p = 0; p < pairs; ++p) {
     const bool half = 2 * p + 1 == nb;
+    // as quant_krows.cpp: one core's demand misses alone stream ~10 GB/s; prefetching 4 KiB ahead (past a
+    // row's end: the next row's, the rows lying one after another; a prefetch never faults) keeps more in flight
+    _mm_prefetch(reinterpret_cast<const char*>(r.qs + (p + 4096 / pair_bytes) * pair_bytes), _MM_HINT_T0);
     const __m512i w = load_pair<KIND>(r, p, half);
     const __m512 dv = load_scales(r.d, p, half, idx);
     const __m512 mv = has_m ? load_scales(r.m, p, half, idx) : _mm512_setzero_ps();

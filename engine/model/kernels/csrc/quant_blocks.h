@@ -24,6 +24,7 @@
 #pragma once
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 #include <c10/util/Half.h>
 
 #include <algorithm>
@@ -31,6 +32,7 @@
 #include <cstring>
 #include <optional>
 #include <string>
+#include <type_traits>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -247,6 +249,45 @@ inline Call call_of(const at::Tensor& x, at::TensorList wl, int64_t kind, const 
 }
 
 inline const float* ptr_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
+
+// The row kernels (quant_linear.cpp: 32-weight kinds, quant_krows.cpp: K-quants) are compiled per row count M
+// (1 to 8, the accumulators in registers): f(std::integral_constant<int, M>) for M = rows.
+template <class F>
+inline void with_rows(int64_t rows, F&& f) {
+  switch (rows) {
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 6: f(std::integral_constant<int, 6>{}); break;
+    case 7: f(std::integral_constant<int, 7>{}); break;
+    default: f(std::integral_constant<int, 8>{}); break;
+  }
+}
+
+// Their output loop, over the output rows in parallel: `dot(row, sums)` writes the M activation rows' dot
+// products with one weight row; then y = sums + b (+ other), or with `swiglu` (W = [gate; up], 2 n_out rows)
+// y = silu(gate + bg) * (up + bu).
+template <int M, class Dot>
+inline void rows_out(const Weight& w, const float* bias, const float* other, float* y, int64_t n_out, bool swiglu,
+                     const Dot& dot) {
+  at::parallel_for(0, n_out, 16, [&](int64_t n0, int64_t n1) {
+    float a[M], b[M];
+    for (int64_t n = n0; n < n1; ++n) {
+      dot(row_of(w, n), a);
+      if (swiglu) {
+        const int64_t u = n + n_out;
+        dot(row_of(w, u), b);
+        const float bg = bias ? bias[n] : 0.f, bu = bias ? bias[u] : 0.f;
+        for (int r = 0; r < M; ++r) y[r * n_out + n] = silu(a[r] + bg) * (b[r] + bu);
+        continue;
+      }
+      const float bn = bias ? bias[n] : 0.f;
+      for (int r = 0; r < M; ++r) y[r * n_out + n] = a[r] + bn + (other ? other[r * n_out + n] : 0.f);
+    }
+  });
+}
 
 // quant_linear.cpp: any number of rows through the 1-to-8-row kernel, 8 rows at a time
 at::Tensor linear_by_eights(const Call& c);

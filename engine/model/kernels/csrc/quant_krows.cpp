@@ -259,40 +259,15 @@ void dot_krows(const Row& r, int64_t sbs, const KAct* act, float* out) {
 }
 #endif
 
-template <int KIND, int M>
-void run_krows(const Weight& w, const std::vector<KAct>& act, const float* bias, const float* other, float* y,
-               int64_t n_out, bool swiglu) {
-  const int64_t sbs = w.k / 256;
-  at::parallel_for(0, n_out, 16, [&](int64_t n0, int64_t n1) {
-    float a[M], b[M];
-    for (int64_t n = n0; n < n1; ++n) {
-      dot_krows<KIND, M>(row_of(w, n), sbs, act.data(), a);
-      if (swiglu) {
-        const int64_t u = n + n_out;
-        dot_krows<KIND, M>(row_of(w, u), sbs, act.data(), b);
-        const float bg = bias ? bias[n] : 0.f, bu = bias ? bias[u] : 0.f;
-        for (int r = 0; r < M; ++r) y[r * n_out + n] = silu(a[r] + bg) * (b[r] + bu);
-        continue;
-      }
-      const float bn = bias ? bias[n] : 0.f;
-      for (int r = 0; r < M; ++r) y[r * n_out + n] = a[r] + bn + (other ? other[r * n_out + n] : 0.f);
-    }
-  });
-}
-
 template <int KIND>
 void run_kkind(const Weight& w, const std::vector<KAct>& act, const float* bias, const float* other, float* y,
                int64_t n_out, bool swiglu) {
-  switch (act.size()) {
-    case 1: run_krows<KIND, 1>(w, act, bias, other, y, n_out, swiglu); break;
-    case 2: run_krows<KIND, 2>(w, act, bias, other, y, n_out, swiglu); break;
-    case 3: run_krows<KIND, 3>(w, act, bias, other, y, n_out, swiglu); break;
-    case 4: run_krows<KIND, 4>(w, act, bias, other, y, n_out, swiglu); break;
-    case 5: run_krows<KIND, 5>(w, act, bias, other, y, n_out, swiglu); break;
-    case 6: run_krows<KIND, 6>(w, act, bias, other, y, n_out, swiglu); break;
-    case 7: run_krows<KIND, 7>(w, act, bias, other, y, n_out, swiglu); break;
-    default: run_krows<KIND, 8>(w, act, bias, other, y, n_out, swiglu); break;
-  }
+  const int64_t sbs = w.k / 256;
+  with_rows(static_cast<int64_t>(act.size()), [&](auto rows) {
+    constexpr int M = decltype(rows)::value;
+    rows_out<M>(w, bias, other, y, n_out, swiglu,
+                [&](const Row& r, float* sums) { dot_krows<KIND, M>(r, sbs, act.data(), sums); });
+  });
 }
 
 }  // namespace

@@ -26,11 +26,22 @@ STREAMED_200 = {200: {"description": "the response; with `stream: true` a server
                       "content": {"text/event-stream": {"schema": {}}}}}
 
 
+# Characters JSON may leave raw that line splitters other than SSE's own (Python's str.splitlines, httpx's
+# iter_lines, some browsers' JS before ES2019) take for line ends: escaped, an event is always one line.
+_LINE_BREAKS = str.maketrans({"\x85": "\\u0085", "\u2028": "\\u2028", "\u2029": "\\u2029"})
+
+
+def event_json(payload: Any) -> bytes:
+    """`payload` as one line of compact JSON for an SSE `data:` field: non-ASCII kept as is, except the three
+    Unicode line breaks that JSON leaves raw, escaped (`\\u2028` decodes to the same string)."""
+    return json.dumps(payload, ensure_ascii=False, separators=(",", ":")).translate(_LINE_BREAKS).encode()
+
+
 def encode_event(payload: Any) -> bytes:
-    """One SSE event: `data: <json>\\n\\n` (or `data: [DONE]\\n\\n`). JSON keeps non-ASCII as is."""
+    """One SSE event: `data: <json>\\n\\n` (or `data: [DONE]\\n\\n`)."""
     if payload is DONE:
         return b"data: [DONE]\n\n"
-    return b"data: " + json.dumps(payload, ensure_ascii=False, separators=(",", ":")).encode() + b"\n\n"
+    return b"data: " + event_json(payload) + b"\n\n"
 
 
 async def _encoded(payloads: AsyncIterator[Any]) -> AsyncIterator[bytes]:

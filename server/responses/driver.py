@@ -12,7 +12,6 @@ read. Guarantees, the same as `server.openai.response.serve`'s:
 - The run is registered for `POST /v1/requests/{id}/cancel` while it lives.
 """
 
-import json
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
@@ -22,7 +21,7 @@ from starlette.responses import StreamingResponse
 
 from engine.api.outputs import RequestOutput
 from server.openai.generation import ClientGone, GenerationRun, await_or_disconnect
-from server.openai.sse import SSE_HEADERS, SSEResponse
+from server.openai.sse import SSE_HEADERS, SSEResponse, event_json
 from server.state import ServerContext
 
 GONE = 499  # nginx's "client closed request": nothing is sent, the status is only logged
@@ -108,8 +107,7 @@ async def outputs(ctx: ServerContext, run: GenerationRun) -> AsyncIterator[Reque
 
 def encode_named(event: tuple[str, dict]) -> bytes:
     name, data = event
-    return (f"event: {name}\ndata: ".encode() + json.dumps(data, ensure_ascii=False, separators=(",", ":")).encode()
-            + b"\n\n")
+    return f"event: {name}\ndata: ".encode() + event_json(data) + b"\n\n"
 
 
 class NamedEventStream(SSEResponse):

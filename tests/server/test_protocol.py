@@ -15,6 +15,7 @@ from server.openai.chat import chat_logprobs
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from server.openai.sse import DONE, encode_event
 from server.ops.protocol import DetokenizeRequest, TokenizeRequest
+from server.responses.driver import encode_named
 from server.sequences.protocol import SequenceCompletionRequest, SequenceCreateRequest
 
 
@@ -161,6 +162,19 @@ def test_sse_framing_keeps_non_ascii_whole():
     raw = encode_event({"text": "héllo 世界"})
     assert raw.startswith(b"data: ") and raw.endswith(b"\n\n") and raw.count(b"\n") == 2
     assert json.loads(raw[6:]) == {"text": "héllo 世界"}
+
+
+def test_an_event_stays_one_line_for_every_line_splitter():
+    """A streamed token may hold U+0085, U+2028 or U+2029, which JSON leaves raw but str.splitlines and
+    httpx's iter_lines take for line ends (a CI run split a tiny model's chunk there: JSONDecodeError).
+    Escaped, each event is one line for them too and still decodes to the same text."""
+    text = "a\x85b\u2028c\u2029d\x0be\x1cf 世界"
+    for raw, prefix in ((encode_event({"text": text}), b"data: "),
+                        (encode_named(("response.output_text.delta", {"delta": text})), b"data: ")):
+        lines = raw.decode().splitlines()
+        assert raw.endswith(b"\n\n") and len([line for line in lines if line]) == raw.count(b"\n") - 1
+        data = next(line for line in lines if line.startswith(prefix.decode()))
+        assert text in json.loads(data[len(prefix):]).values()
 
 
 @pytest.mark.parametrize("text,value", [("2GiB", 2 * 2**30), ("512MiB", 512 * 2**20), ("1.5GB", 1_500_000_000),

@@ -66,7 +66,7 @@ def offline_tok_s(args: argparse.Namespace, model: str, work: Path, k: int) -> f
     return next(r["tok_s"] for r in rows if r["system"].startswith("cellserve"))
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
+def wait_healthy(url: str, proc: subprocess.Popen, log: Path) -> None:
     deadline = time.monotonic() + HEALTH_TIMEOUT_S
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -93,7 +93,7 @@ def server_tok_s(args: argparse.Namespace, model: str, work: Path, k: int) -> fl
     with log.open("w") as f:
         proc = subprocess.Popen(serve, stdout=f, stderr=subprocess.STDOUT)
     try:
-        _wait_healthy(url, proc, log)
+        wait_healthy(url, proc, log)
         out = work / f"server_{k}.json"
         _run([sys.executable, "-m", "server.bench", "serve", "--url", url, "--concurrency", str(args.concurrency),
               "--num-requests", str(args.requests), "--input-len", str(args.prompt_len),

@@ -129,7 +129,8 @@ def _tree_hwm_mb(pid: int) -> float:
     return total
 
 
-def _stop(proc: subprocess.Popen) -> None:
+def stop_server(proc: subprocess.Popen) -> None:
+    """SIGTERM a server started with `start_new_session=True` (its whole process group), SIGKILL after 30 s."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -191,7 +192,7 @@ def one_server(kind: str, args: argparse.Namespace, work: Path, tag: str) -> dic
             print(f"{tag} c={c}: {row['levels'][c]}", flush=True)
         row["rss_mb"] = _tree_hwm_mb(proc.pid)
     finally:
-        _stop(proc)
+        stop_server(proc)
     return row
 
 

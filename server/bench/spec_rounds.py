@@ -29,9 +29,12 @@ import time
 from pathlib import Path
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
+from server.bench.overhead import wait_healthy
 from server.bench.regen import regen_rate
 from server.bench.serve import main as bench_main
+from server.bench.side_by_side import stop_server
 
 SERVE = [str(Path(sys.executable).parent / "cellserve"), "serve"]
 COPY = {"input_len": 100, "output_len": 300}  # words of passage / code; answers end at EOS
@@ -46,38 +49,25 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _spec_counts(url: str) -> tuple[float, float]:
+    """(drafted, accepted) tokens so far, from the server's /metrics (prometheus_client's own parser)."""
     try:
         text = httpx.get(f"{url}/metrics", timeout=10).text
     except httpx.HTTPError:
         return 0.0, 0.0
-    got = {line.split()[0].rsplit("_total", 1)[0].split(":")[-1]: float(line.split()[-1])
-           for line in text.splitlines() if line.startswith("cellserve:spec_decode_num_")}
-    return got.get("spec_decode_num_draft_tokens", 0.0), got.get("spec_decode_num_accepted_tokens", 0.0)
+    got = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+    return (got.get("cellserve:spec_decode_num_draft_tokens_total", 0.0),
+            got.get("cellserve:spec_decode_num_accepted_tokens_total", 0.0))
 
 
 def _start(cmd: list[str], url: str, log: Path) -> subprocess.Popen:
-    proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited: see {log}")
-        time.sleep(0.5)
-    proc.kill()
-    raise RuntimeError(f"the server did not get healthy: see {log}")
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    proc.terminate()
+    with log.open("w") as f:  # its own process group: stop_server ends all of it
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        proc.wait(30)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.wait()
+        wait_healthy(url, proc, log)
+    except RuntimeError:
+        stop_server(proc)
+        raise
+    return proc
 
 
 def _bench_level(url: str, workload: str, clients: int, seed: int, out: Path) -> dict:
@@ -122,7 +112,7 @@ def _one_server(args, cmd: list[str], meta: dict, workload: str, seed: int, out:
                   f"{row.get('tok_s', 0):.1f} tok/s, kept {a1 - a0:.0f}/{d1 - d0:.0f}, load {row['load']:.1f}",
                   flush=True)
     finally:
-        _stop(proc)
+        stop_server(proc)
 
 
 def run(args) -> None:

@@ -38,7 +38,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from engine.loader.gguf_tensors import KIND_IDS, QuantWeight
+from engine.loader.gguf_tensors import BLOCK_WEIGHTS, KIND_IDS, QuantWeight
 from engine.model.native.linear import Linear
 
 TILE_BYTES = 8 << 20  # float32 bytes of weight unpacked at once on the fp32-tile path
@@ -65,7 +65,7 @@ class QuantLinear:
         self.small = False  # NativeLlama.fused sets it: the fused kernels are loaded
         self.gemm = True  # many rows on quant_gemm (with `small` and VNNI); off: fp32 tiles, the old path
         self.tile = max(16, TILE_BYTES // (4 * self.in_features))
-        self.row_rows = K_ROW_KERNEL_ROWS if weight.kind in ("q4_k", "q5_k", "q6_k") else ROW_KERNEL_ROWS
+        self.row_rows = K_ROW_KERNEL_ROWS if BLOCK_WEIGHTS[weight.kind] == 256 else ROW_KERNEL_ROWS  # K-quants
 
     @property
     def nbytes(self) -> int:

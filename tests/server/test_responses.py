@@ -138,9 +138,12 @@ def test_dropped_stream_leaves_nothing(srv, client):
     baseline = sequences(srv).keys()
     r1 = client.responses.create(model="m", input="Begin", **GREEDY)
     used = srv.wait_idle()["cells"]["used"]
+    talk = {"model": "m", "input": "Talk", "max_output_tokens": 400, "temperature": 0}
     for prev in (None, r1.id):  # a new sequence, and an append to r1's tip
-        with client.responses.create(model="m", input="Talk", max_output_tokens=400, stream=True,
-                                     previous_response_id=prev) as stream:
+        # Greedy runs the whole 400 tokens here, so the drop below always cuts a running turn short (a
+        # sampled turn could end on EOS before the server notices the client left: stored, rightly).
+        assert client.responses.create(**talk, previous_response_id=prev, store=False).status == "incomplete"
+        with client.responses.create(**talk, stream=True, previous_response_id=prev) as stream:
             for event in stream:
                 if event.type == "response.output_text.delta":
                     break

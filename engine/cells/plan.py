@@ -55,8 +55,15 @@ def row_gather_for(plan: StepPlan, max_tokens: int | None = GATHER_MAX_TOKENS) -
     return gather_rows(plan.visible)
 
 
-def gather_rows(visible: torch.Tensor) -> RowGather:
-    """Row i's visible columns, left-aligned and padded to the widest row."""
+def gather_rows(visible: torch.Tensor, key_pos: torch.Tensor | None = None) -> RowGather:
+    """Row i's visible columns, left-aligned and padded to the widest row; in column order, or in position
+    order when the columns' positions `key_pos` are given (a row sees one cell per position, so that order
+    does not depend on where the pool put the cells: what keeps a row's attention sums in the same order
+    whichever step computes it, engine/model/native/rows.py)."""
+    if key_pos is not None:
+        order = torch.argsort(key_pos.cpu(), stable=True)
+        by_pos = gather_rows(visible[:, order])
+        return RowGather(order[by_pos.idx], by_pos.valid)
     counts = visible.sum(1)
     width = int(counts.max())
     rows, cols = visible.nonzero(as_tuple=True)

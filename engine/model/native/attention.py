@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.cells.plan import RowGather, StepPlan, gather_rows, row_gather_for, windowed
+from engine.model.native.rows import INVARIANT_ROWS
 
 
 @dataclass
@@ -98,12 +99,15 @@ class Attend:
 
 def _split_parts(plan: StepPlan, seen: dict, bounds: list[int], n_kv: int, group: int, device,
                  fused: bool) -> list[_Part]:
-    """One sdpa part per multi-row chunk (rows `bounds[i]:bounds[i+1]`), one part for all one-row ones."""
+    """One sdpa part per multi-row chunk (rows `bounds[i]:bounds[i+1]`), one part for all one-row ones; with
+    the fused kernel, chunks of up to `INVARIANT_ROWS` rows (a sequence's drafted tokens, short prefills)
+    join the one-row part, so each of their rows is computed exactly as a lone decode row would be."""
     parts, singles = [], []
     read_idx = None if plan.read_idx is None else plan.read_idx.cpu()
+    alone = INVARIANT_ROWS if fused else 1  # the fused kernel computes each row as a decode row: drafts too
     for a, b in pairwise(bounds):
-        if b - a == 1:
-            singles.append(a)
+        if b - a <= alone:
+            singles.extend(range(a, b))
             continue
         cols = plan.visible[a:b].any(0).nonzero().flatten()
         cells = cols if read_idx is None else read_idx[cols]
@@ -125,8 +129,8 @@ def _row_cells(plan: StepPlan, seen: dict, gather: RowGather, rows):
 
 
 def _cell_part(plan: StepPlan, seen: dict, rows, device) -> _Part:
-    """The fused kernel's part: cells `[t, L]` read in place, biases `[t, L]`."""
-    idx, bias = _row_cells(plan, seen, gather_rows(plan.visible[rows]), rows)
+    """The fused kernel's part: cells `[t, L]` read in place (in position order), biases `[t, L]`."""
+    idx, bias = _row_cells(plan, seen, gather_rows(plan.visible[rows], plan.key_pos), rows)
     return _Part("cells", rows, idx.to(device), {w: b.to(device) for w, b in bias.items()})
 
 

@@ -7,8 +7,14 @@ sequence decoding) stream the same bytes through `packed_linear` (engine/model/k
 which reads oneDNN's panel layout directly. Where the kernels cannot read it (another layout on another
 CPU), the plain weight stays beside it for `small_linear`, as before (`CELLSERVE_WEIGHT_COPIES=2` forces
 that old two-copy layout everywhere: the benchmark's A/B baseline).
+On a CPU with AMX, bf16 calls of up to `INVARIANT_ROWS` rows go to `amx_linear` instead (same panels, tile
+multiplies): one row as fast as `packed_linear` or faster, 16 rows in about the time of one, and each row
+bitwise what it is alone, which is also what oneDNN's AMX kernel gives for it at any row count (measured
+equal at 1-16 rows; tests/engine/model/test_linear.py): a drafted row rounds as the one-row decode does
+(engine/model/native/rows.py).
 """
 
+import functools
 import logging
 import os
 import time
@@ -17,6 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.model.kernels import build as kernels
+from engine.model.native.rows import INVARIANT_ROWS
 
 log = logging.getLogger("cellserve.native")
 
@@ -55,14 +62,18 @@ class Linear:
         # the plain weights for small_linear: only where the packed bytes cannot serve one row
         keep = self.packed is not None and self.panels is None and _small_kernel(w.dtype)
         self.parts = [w] if self.packed is None else parts if keep else None
+        self.amx = self.panels is not None and w.dtype == torch.bfloat16 and amx_available()
         self.small = False
 
     def is_small(self, x: torch.Tensor) -> bool:
-        """Whether this call goes to the one-row kernels (measured faster at one row only: at 2-4
-        rows they tie oneDNN on MLP weights and lose on the LM head)."""
-        return self.small and x.shape[0] == 1
+        """Whether this call goes to the few-row kernels: up to `INVARIANT_ROWS` rows on AMX, else one row
+        (`packed_linear` and `small_linear` were measured faster at one row only: at 2-4 rows they tie
+        oneDNN on MLP weights and lose on the LM head)."""
+        return self.small and x.shape[0] <= (INVARIANT_ROWS if self.amx else 1)
 
     def _small(self, x: torch.Tensor, other: torch.Tensor | None, op: str) -> torch.Tensor:
+        if self.amx:
+            return torch.ops.cellserve.amx_linear(x, [self.panels], self.out_features, self.bias, other, op)
         if self.panels is not None:
             return torch.ops.cellserve.packed_linear(x, [self.panels], self.out_features, self.bias, other, op)
         return torch.ops.cellserve.small_linear(x, self.parts, self.bias, other, op)
@@ -102,7 +113,9 @@ class Linear:
 
 
 def small_swiglu(gate: Linear, up: Linear, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """`silu(gate(x)) * up(x)` at one row in one kernel call (both `small`)."""
+    """`silu(gate(x)) * up(x)` for a few rows in one kernel call (both `small`)."""
+    if gate.amx and up.amx:
+        return torch.ops.cellserve.amx_linear(x, [gate.panels, up.panels], gate.out_features, bias, None, "swiglu")
     if gate.panels is not None and up.panels is not None:
         return torch.ops.cellserve.packed_linear(x, [gate.panels, up.panels], gate.out_features, bias, None, "swiglu")
     return torch.ops.cellserve.small_linear(x, [*gate.parts, *up.parts], bias, None, "swiglu")
@@ -124,6 +137,13 @@ def _gemv_faster(w: torch.Tensor, packed: torch.Tensor) -> bool:
     with torch.inference_mode():
         return best(lambda: torch.mm(w, x.t())) < best(
             lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
+
+
+@functools.cache
+def amx_available() -> bool:
+    """Whether `amx_linear` runs here: the kernels built for an AMX CPU, and Linux lets this process use the
+    tile registers."""
+    return kernels.load() and bool(torch.ops.cellserve.amx_linear_fast())
 
 
 def _small_kernel(dtype: torch.dtype) -> bool:

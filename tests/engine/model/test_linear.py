@@ -13,8 +13,9 @@ from transformers import AutoModelForCausalLM
 from engine.core.state.identity import identity_of
 from engine.loader.gguf_tensors import pack_blocks
 from engine.model.kernels import build as kernels
-from engine.model.native.linear import Linear, expected_panels, panel_rows
+from engine.model.native.linear import Linear, amx_available, expected_panels, panel_rows, small_swiglu
 from engine.model.native.quant import CastLinear, GroupLinear, QuantLinear, linear_of
+from engine.model.native.rows import INVARIANT_ROWS
 from engine.model.runner import ModelRunner
 
 
@@ -116,7 +117,7 @@ def test_linear_keeps_one_copy(dtype):
     for rows in (1, 3):
         x, other = torch.randn(rows, 80).to(dtype), torch.randn(rows, 96).to(dtype)
         ref = F.linear(x.float(), w, b.float())
-        assert lin.is_small(x) == (lin.small and rows == 1)
+        assert lin.is_small(x) == (lin.small and rows <= (INVARIANT_ROWS if lin.amx else 1))
         _close(lin(x), ref, dtype)
         _close(lin.plus(x, other), ref + other.float(), dtype)
 
@@ -139,3 +140,34 @@ def test_one_copy_survives_a_model_load(model_dir):
     kept = ModelRunner(oracle, n_cells=64)
     assert identity_of(runner) == identity_of(kept)
     assert all(p.untyped_storage().nbytes() > p.element_size() for p in oracle.parameters())
+
+
+@pytest.mark.parametrize("shape", [(96, 64), (130, 70), (40, 576)])  # whole panels and steps, padding in N and K
+def test_amx_rows_are_each_what_they_are_alone(shape):
+    """bf16 on AMX: every row of a 1-16-row call (none, add, swiglu, with a bias) is bitwise the row computed
+    alone, and bitwise what oneDNN's packed linear gives at any row count (so a drafted row rounds as a decode
+    row, and as a prefill row would); close to F.linear in fp32."""
+    if not amx_available():
+        pytest.skip("this CPU or build has no AMX (amx_linear_fast() is False)")
+    torch.manual_seed(0)
+    n, k = shape
+    parts = [(torch.randn(n, k) * 0.1).bfloat16() for _ in range(2)]
+    bias = torch.randn(n).bfloat16()
+    lin, gate, up = Linear([parts[0]], bias), Linear([parts[0]]), Linear([parts[1]])
+    for m in (lin, gate, up):
+        assert m.amx
+        m.small = True
+    x, other = torch.randn(INVARIANT_ROWS + 1, k).bfloat16(), torch.randn(INVARIANT_ROWS + 1, n).bfloat16()
+    dnn = torch.ops.mkldnn._linear_pointwise(x, lin.packed, lin.bias, "none", [], "")
+    calls = {"none": lambda a, o: lin(a), "add": lambda a, o: lin.plus(a, o),
+             "swiglu": lambda a, o: small_swiglu(gate, up, a, None)}
+    for op, call in calls.items():
+        alone = torch.cat([call(x[i:i + 1], other[i:i + 1]) for i in range(INVARIANT_ROWS)])
+        for rows in (1, 2, 9, INVARIANT_ROWS):
+            assert lin.is_small(x[:rows])
+            assert torch.equal(call(x[:rows], other[:rows]), alone[:rows]), (op, rows)
+        if op == "none":
+            assert torch.equal(alone, dnn[:INVARIANT_ROWS])
+    assert not lin.is_small(x)  # past the limit: oneDNN
+    ref = F.linear(x.float(), parts[0].float(), bias.float())
+    _close(lin(x[:5]), ref[:5], torch.bfloat16)

@@ -256,6 +256,21 @@ inline void prefetch_row(const T* row, int64_t dim) {
   for (int64_t b = 0; b < dim * static_cast<int64_t>(sizeof(T)); b += 64) __builtin_prefetch(p + b);
 }
 
+// v[0, n) summed in 16 fixed lanes (element l in lane l % 16), then the lanes in order: the zeros of a row's
+// masked cells past its own width change nothing, so a row's softmax total is the same whatever width the
+// step's widest row gives the gather (engine/model/native/rows.py).
+inline float lane_sum(const float* v, int64_t n) {
+  float lanes[16] = {};
+  int64_t l = 0;
+  for (; l + 16 <= n; l += 16)
+#pragma omp simd
+    for (int j = 0; j < 16; ++j) lanes[j] += v[l + j];
+  for (int j = 0; l + j < n; ++j) lanes[j] += v[l + j];
+  float total = 0.f;
+  for (int j = 0; j < 16; ++j) total += lanes[j];
+  return total;
+}
+
 // KV is T (float pools) or int8_t (int8 pools, with `ks`/`vs` the rows' scales; nullptr for float pools).
 template <typename T, typename KV>
 void attention_kernel(const T* q, const KV* kp, const KV* vp, const float* ks, const float* vs, const int64_t* idx,
@@ -303,12 +318,9 @@ void attention_kernel(const T* q, const KV* kp, const KV* vp, const float* ks, c
       for (int64_t g = 0; g < group; ++g) {  // softmax in fp32 (a row always sees its own cell)
         float* sg = scores + g * width;
         const float m = mx[g] == neg_inf ? 0.f : mx[g];
-        float total = 0.f;
-#pragma omp simd reduction(+ : total)
-        for (int64_t l = 0; l < width; ++l) {
-          sg[l] = std::exp(sg[l] - m);
-          total += sg[l];
-        }
+#pragma omp simd
+        for (int64_t l = 0; l < width; ++l) sg[l] = std::exp(sg[l] - m);
+        const float total = lane_sum(sg, width);
         const float inv = total > 0.f ? 1.f / total : 0.f;
 #pragma omp simd
         for (int64_t l = 0; l < width; ++l) sg[l] *= inv;

@@ -1,0 +1,15 @@
+"""Row invariance: how many rows a step may hold while each row is computed exactly as it would be alone.
+
+Up to `INVARIANT_ROWS` rows, every kernel of the native forward (the linears, the quantized linears and the
+fused cell attention) does the same float operations, in the same order, for a row whatever the other rows
+of its call are: rows are grouped for speed, never summed across, and a row's attention reads its cells in
+position order (not in the pool's order) with sums that do not depend on how wide the step's gather is.
+
+Why: a speculative verification step runs a sequence's drafted tokens as extra rows; if those rows rounded
+differently from the one-row decode step, greedy output would drift from the output without speculation
+(bf16 and the quantized kernels round visibly). With this, greedy output with and without drafts is token
+for token the same, and so is one sequence's output whether it decodes alone or beside others, as long as
+the step stays within the limit. Larger steps (prefill, many sequences) take the faster many-row kernels.
+"""
+
+INVARIANT_ROWS = 16  # one sequence's 1 + 8 drafted rows, or a few sequences' decodes and drafts

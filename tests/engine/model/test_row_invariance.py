@@ -1,0 +1,41 @@
+"""Row invariance (engine/model/native/rows.py): a step of up to INVARIANT_ROWS rows computes each row exactly as
+a lone decode row. The oracle is the one-row decode itself: a sequence's next tokens decoded one step at a time
+give logits that must be bitwise equal to the same tokens' rows in one verification-like step (a chunk beside
+another sequence's decode, the sequence's cells elsewhere in the pool). This is what keeps greedy output with
+speculative drafts token for token the output without them in bf16 (tests/engine/core/test_speculative.py)."""
+
+import pytest
+import torch
+from tiny_models import tiny_model
+
+from engine.model.flat_step import flatten_step
+from engine.model.kernels import build as kernels
+from engine.model.native.linear import amx_available
+from engine.model.runner import ModelRunner
+
+
+def _prompt(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 100, (n,), generator=g).tolist()
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
+def test_a_chunk_of_drafted_rows_gives_the_decode_rows_logits(kv_cache_dtype):
+    if not amx_available():
+        pytest.skip("bf16 row invariance needs AMX (amx_linear_fast() is False)")
+    assert kernels.load(), kernels.why_not()
+    model = tiny_model("llama_gqa").to(torch.bfloat16)
+    prefix, drafts, other = _prompt(40, 1), _prompt(9, 2), _prompt(7, 3)
+
+    alone = ModelRunner(model, n_cells=256, kv_cache_dtype=kv_cache_dtype)
+    alone.run({0: (prefix, 0)})
+    decoded = [alone.run({0: ([t], len(prefix) + i)})[0] for i, t in enumerate(drafts)]
+
+    together = ModelRunner(model, n_cells=256, kv_cache_dtype=kv_cache_dtype)
+    together.run({5: (other, 0)})  # another sequence takes the first cells: this one's lie elsewhere
+    together.run({0: (prefix, 0)})
+    step = flatten_step({0: (drafts, len(prefix)), 5: ([_prompt(1, 4)[0]], len(other))})
+    step.logits_indices = torch.arange(len(drafts))
+    verified = together.forward(step)
+    for i, row in enumerate(decoded):
+        assert torch.equal(verified[i], row), f"drafted row {i}: max difference {(verified[i] - row).abs().max()}"

@@ -2,14 +2,16 @@
 
     python -m engine.bench.quant_kernels [--kinds q4_1,q8_0,q4_k] [--shapes 1536x576,576x1536,2048x2048,2048x8192]
                                          [--rows 1,2,3,4,8,16,32,64,128,512] [--threads 1] [--repeats 5]
+                                         [--paths rows,gemm,fp32,bf16,bf16 dense]
 
 For a random weight of each kind and shape (N x K) and each row count: the time of one call of each
 path of `QuantLinear` (engine/model/native/quant.py): `rows` (quant_linear, the row kernel), `gemm`
 (quant_gemm, the blocked integer GEMM), `fp32` (fp32 tiles + torch.mm, the path before the GEMM) and
 `bf16` (bf16 tiles + torch's bf16 matmul, where the CPU has AVX512-BF16), and `bf16 dense` (F.linear
 on an already-bf16 weight, what the bf16 folder's model pays, for reference). Paths alternate, best of
-`--repeats` each; the fastest quantized path per row is marked. This is what `ROW_KERNEL_ROWS` and
-`BF16_ROWS` were set from.
+`--repeats` each; the fastest quantized path per row is marked (`--paths`: only those). This is what
+`BF16_ROWS` was set from, and what measured the row kernel against the GEMM up to `INVARIANT_ROWS` rows
+(engine/model/native/rows.py: the row kernel takes them, for row invariance).
 """
 
 import argparse
@@ -64,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rows", default="1,2,3,4,8,16,32,64,128,512")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--paths", default=None, help="comma-separated subset of the paths (default: all)")
     args = p.parse_args(argv)
     assert kernels.load(), kernels.why_not()
     torch.set_num_threads(args.threads)
@@ -77,6 +80,8 @@ def main(argv: list[str] | None = None) -> int:
             lin = QuantLinear(random_weight(kind, n, k))
             lin.small = True
             fns = paths(lin, torch.randn(n, k).bfloat16())
+            if args.paths:
+                fns = {name: f for name, f in fns.items() if name in args.paths.split(",")}
             print(f"\n{kind} {n}x{k} (ms a call; * = fastest quantized path)")
             print(f"{'rows':>5} " + " ".join(f"{name:>11}" for name in fns))
             for rows in (int(r) for r in args.rows.split(",")):

@@ -7,26 +7,30 @@ copy of a linear's weight. `QuantLinear` has `Linear`'s interface
 - with the fused kernels built and AVX-512 VNNI, up to `BF16_ROWS` rows run in integers: the rows
   quantized once per call to int8 (per 32-block; the K-quants per 256-weight super-block, llama.cpp's
   q8_K) and dotted with the weight blocks (bias, residual add and SiLU*up fused). Up to
-  `ROW_KERNEL_ROWS` rows (decode; the K-quants `K_ROW_KERNEL_ROWS`): `torch.ops.cellserve.quant_linear`
-  (engine/model/kernels/csrc/quant_linear.cpp; the K-quants quant_krows.cpp, which sums each
-  super-block in integers), which streams each weight block once for all the rows;
-  more (batched decode): `torch.ops.cellserve.quant_gemm` (csrc/quant_gemm.cpp), a blocked GEMM that
-  unpacks 32 weight rows x 512 inputs at a time and runs every row over them in int32 registers. Both
-  round the activations alike, so their error against dequantize-then-`F.linear` is the same: at most
-  sum_k |w_k| * da(k) / 2 per output, da(k) input k's block or super-block scale
-  (tests/engine/model/test_quant_linear.py).
+  `ROW_KERNEL_ROWS` = `INVARIANT_ROWS` rows (decode, speculative verification: engine/model/native/rows.py):
+  `torch.ops.cellserve.quant_linear` (engine/model/kernels/csrc/quant_linear.cpp; the K-quants
+  quant_krows.cpp, which sums each super-block in integers), which streams each weight row once for
+  all the rows (groups of 8 while it is in cache) and computes each row bitwise as a call with it alone,
+  so drafted rows round exactly as one-row decode steps; more (batched decode):
+  `torch.ops.cellserve.quant_gemm` (csrc/quant_gemm.cpp), a blocked GEMM that unpacks 32 weight rows x
+  512 inputs at a time and runs every row over them in int32 registers (its sums differ from the row
+  kernel's in the last bits). Both round the activations alike, so their error against
+  dequantize-then-`F.linear` is the same: at most sum_k |w_k| * da(k) / 2 per output, da(k) input k's
+  block or super-block scale (tests/engine/model/test_quant_linear.py).
 - `BF16_ROWS` rows and more (prefill) where the CPU multiplies bf16 natively (AVX512-BF16; AMX under
   oneDNN): the weight is dequantized to bf16 one tile of `TILE_BYTES` at a time
   (`quant_dequant_bf16`, vectorized) and multiplied by torch's bf16 matmul with x rounded to bf16;
   error: the three bf16 roundings (x, W, the output), within the bound the tests state.
   The crossovers were measured (`python -m engine.bench.quant_kernels`, docs/performance.md issue 26):
-  the row kernel wins at 1-3 rows (the K-quants' at 1-8), the GEMM up to ~64-96 rows, bf16 tiles
-  above; the GEMM is 5-20x faster than the fp32 tiles below at every row count, bf16 tiles 2-6x at
-  512 rows.
-- no VNNI (or `gemm` switched off: the bench's A/B baseline): 1 to 8 rows on the row kernel (plain C
-  without VNNI), more rows dequantized to float32 one tile of `TILE_BYTES` at a time (`quant_dequant`,
-  or torch ops without the kernels) and multiplied by `torch.mm`, so at most one tile of float32 exists
-  per call; the result equals dequantize-then-`F.linear` up to float32 summation order.
+  the GEMM wins from 2-4 rows for the 32-weight kinds (the row kernel, with per-lane float work for
+  each row, is ~3-4x slower than it at 9-16 rows: the price of row invariance there) and from ~12-16
+  for the K-quants, up to ~64-96 rows, bf16 tiles above; the GEMM is 5-20x faster than the fp32 tiles
+  below at every row count, bf16 tiles 2-6x at 512 rows.
+- no VNNI (the row kernel would run in plain C), `gemm` switched off past `INVARIANT_ROWS` rows (the
+  bench's A/B baseline), or no kernels: the weight dequantized to float32 one tile of `TILE_BYTES` at a
+  time (`quant_dequant`, or torch ops without the kernels) and multiplied by `torch.mm` (up to
+  `INVARIANT_ROWS` rows one row at a time, so each row is as alone), so at most one tile of float32
+  exists per call; the result equals dequantize-then-`F.linear` up to float32 summation order.
 `QuantEmbedding` looks token rows up in the same blocks (a tied LM head and its embedding share them).
 `GroupLinear` runs stacked weights of several kinds (Q|K|V with V in Q6_K, as Q4_K_M files have it) as
 one linear per kind, and `CastLinear` / `CastEmbedding` hold the tensors of types the kernels do not
@@ -38,15 +42,15 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from engine.loader.gguf_tensors import BLOCK_WEIGHTS, KIND_IDS, QuantWeight
+from engine.loader.gguf_tensors import KIND_IDS, QuantWeight
 from engine.model.native.linear import Linear
+from engine.model.native.rows import INVARIANT_ROWS
 
 TILE_BYTES = 8 << 20  # float32 bytes of weight unpacked at once on the fp32-tile path
-MAX_SMALL_ROWS = 8  # rows the row kernel takes when the GEMM is off
-ROW_KERNEL_ROWS = 3  # rows the row kernel takes when the GEMM is on (measured crossover: 2-4)
-# the K-quants' row kernel (integer sums per super-block) beat the GEMM up to 8-12 rows on one thread
-# (python -m engine.bench.quant_kernels --kinds q4_k,q6_k --rows 4,8,16)
-K_ROW_KERNEL_ROWS = 8
+# With VNNI the row kernel takes up to INVARIANT_ROWS rows, GEMM on or off: it computes each row bitwise as
+# alone, so drafted rows of a verification step round as one-row decode steps do (quant_gemm sums in
+# another order: its rows differ from the row kernel's in the last bits), even where the GEMM is faster.
+ROW_KERNEL_ROWS = INVARIANT_ROWS
 BF16_ROWS = 80  # from this many rows bf16 tiles, where the CPU multiplies bf16 natively (measured: 64-96)
 
 
@@ -65,7 +69,6 @@ class QuantLinear:
         self.small = False  # NativeLlama.fused sets it: the fused kernels are loaded
         self.gemm = True  # many rows on quant_gemm (with `small` and VNNI); off: fp32 tiles, the old path
         self.tile = max(16, TILE_BYTES // (4 * self.in_features))
-        self.row_rows = K_ROW_KERNEL_ROWS if BLOCK_WEIGHTS[weight.kind] == 256 else ROW_KERNEL_ROWS  # K-quants
 
     @property
     def nbytes(self) -> int:
@@ -80,11 +83,11 @@ class QuantLinear:
         integers, bf16 = _fast()
         if self.gemm and bf16 and rows >= BF16_ROWS:
             return "bf16"
-        if not integers:
+        if not integers:  # the row kernel in plain C: fp32 tiles instead, as before
             return "fp32"
-        if self.gemm:
-            return "gemm" if rows > self.row_rows else "rows"
-        return "rows" if rows <= MAX_SMALL_ROWS else "fp32"
+        if rows <= ROW_KERNEL_ROWS:
+            return "rows"
+        return "gemm" if self.gemm else "fp32"
 
     def is_small(self, x: torch.Tensor) -> bool:
         """Whether this call runs in integers (on the row kernel or the GEMM)."""
@@ -110,19 +113,24 @@ class QuantLinear:
         x = x.to(torch.bfloat16) if bf16 else x.float()
         n, tile = self.out_features, self.tile * (2 if bf16 else 1)
         if n <= tile:
-            y = F.linear(x, self._tile(0, n, bf16)).float()
+            y = _times(x, self._tile(0, n, bf16)).float()
         else:
             y = torch.empty(x.shape[0], n, dtype=torch.float32)
             for r0 in range(0, n, tile):
                 r1 = min(n, r0 + tile)
-                y[:, r0:r1] = F.linear(x, self._tile(r0, r1, bf16))
+                y[:, r0:r1] = _times(x, self._tile(r0, r1, bf16))
         return y if self.bias is None else y.add_(self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         return self._small(x, None, "none") if self.is_small(x) else self._dense(x)
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
-        return F.silu(self(x))
+        y = self(x)
+        if y.shape[0] > INVARIANT_ROWS:
+            return F.silu(y)
+        for row in y:  # torch's silu rounds the tail of its vector loop apart: each row its own loop, as alone
+            F.silu(row, inplace=True)
+        return y
 
     def times(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """`linear(x) * other`."""
@@ -141,6 +149,15 @@ class QuantLinear:
         y = self._dense(x)
         n = self.out_features // 2
         return F.silu(y[:, :n]).mul_(y[:, n:])
+
+
+def _times(x: torch.Tensor, tile: torch.Tensor) -> torch.Tensor:
+    """x @ tile.T; up to INVARIANT_ROWS rows one row at a time (each a fresh, aligned [1, K] tensor), since
+    torch's matmul may sum a row in another order beside other rows than alone (a matrix-vector kernel
+    at one row)."""
+    if x.shape[0] > INVARIANT_ROWS:
+        return F.linear(x, tile)
+    return torch.cat([F.linear(x[i:i + 1].clone(), tile) for i in range(x.shape[0])])
 
 
 @functools.cache

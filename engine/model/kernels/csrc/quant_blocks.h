@@ -1,5 +1,6 @@
-// quant_blocks.h: the repacked block quantizations as the kernels read them (quant_linear.cpp: 1 to 8
-// rows and dequantization; quant_krows.cpp: 1 to 8 rows of the K-quants; quant_gemm.cpp: many rows).
+// quant_blocks.h: the repacked block quantizations as the kernels read them (quant_linear.cpp: the row
+// kernel (decode, up to INVARIANT_ROWS rows) and dequantization; quant_krows.cpp: the K-quants' row kernel;
+// quant_gemm.cpp: many rows).
 //
 // A weight [N, K] of kind q8_0, q4_0, q4_1 (32-weight blocks), q4_k, q5_k or q6_k (256-weight
 // super-blocks of 32- or 16-weight groups) is up to six arrays, one row of blocks per output row
@@ -33,6 +34,7 @@
 #include <optional>
 #include <string>
 #include <type_traits>
+#include <vector>
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
@@ -250,8 +252,8 @@ inline Call call_of(const at::Tensor& x, at::TensorList wl, int64_t kind, const 
 
 inline const float* ptr_or_null(const at::Tensor& t) { return t.defined() ? t.data_ptr<float>() : nullptr; }
 
-// The row kernels (quant_linear.cpp: 32-weight kinds, quant_krows.cpp: K-quants) are compiled per row count M
-// (1 to 8, the accumulators in registers): f(std::integral_constant<int, M>) for M = rows.
+// The row kernels (quant_linear.cpp: 32-weight kinds, quant_krows.cpp: K-quants) are compiled per group size M
+// (1 to 8 activation rows, the accumulators in registers): f(std::integral_constant<int, M>) for M = rows.
 template <class F>
 inline void with_rows(int64_t rows, F&& f) {
   switch (rows) {
@@ -266,32 +268,47 @@ inline void with_rows(int64_t rows, F&& f) {
   }
 }
 
-// Their output loop, over the output rows in parallel: `dot(row, sums)` writes the M activation rows' dot
-// products with one weight row; then y = sums + b (+ other), or with `swiglu` (W = [gate; up], 2 n_out rows)
-// y = silu(gate + bg) * (up + bu).
-template <int M, class Dot>
-inline void rows_out(const Weight& w, const float* bias, const float* other, float* y, int64_t n_out, bool swiglu,
-                     const Dot& dot) {
-  at::parallel_for(0, n_out, 16, [&](int64_t n0, int64_t n1) {
-    float a[M], b[M];
-    for (int64_t n = n0; n < n1; ++n) {
-      dot(row_of(w, n), a);
-      if (swiglu) {
-        const int64_t u = n + n_out;
-        dot(row_of(w, u), b);
-        const float bg = bias ? bias[n] : 0.f, bu = bias ? bias[u] : 0.f;
-        for (int r = 0; r < M; ++r) y[r * n_out + n] = silu(a[r] + bg) * (b[r] + bu);
-        continue;
+constexpr int64_t kGroupRows = 8;  // activation rows a kernel call holds in registers
+
+// Their output loop, over the output rows in parallel, for any number of activation rows: per weight row,
+// `dot(M, row, i0, sums)` (M a std::integral_constant) writes the dot products of activation rows
+// [i0, i0 + M) with it, in groups of 8 and then the rest, one after another while the weight row is still in
+// cache, so one call streams the weight from memory once whatever its row count (passes of 8 rows each
+// streamed it again). A kernel keeps one accumulator per activation row and never sums across them, so a
+// row's output takes the same operations in any group of any size: bitwise what a call with it alone gives
+// (engine/model/native/rows.py). Then y = sums + b (+ other), or with `swiglu` (W = [gate; up], 2 n_out
+// rows) y = silu(gate + bg) * (up + bu).
+template <class Dot>
+inline void rows_out(const Weight& w, int64_t rows, const float* bias, const float* other, float* y, int64_t n_out,
+                     bool swiglu, const Dot& dot) {
+  const int64_t full = (rows - 1) / kGroupRows, tail = rows - kGroupRows * full;  // tail: 1 to 8
+  with_rows(tail, [&](auto t) {
+    const auto all = [&](const Row& r, float* sums) {
+      for (int64_t g = 0; g < full; ++g)
+        dot(std::integral_constant<int, kGroupRows>{}, r, kGroupRows * g, sums + kGroupRows * g);
+      dot(t, r, kGroupRows * full, sums + kGroupRows * full);
+    };
+    at::parallel_for(0, n_out, 16, [&](int64_t n0, int64_t n1) {
+      std::vector<float> a(rows), b(swiglu ? rows : 0);
+      for (int64_t n = n0; n < n1; ++n) {
+        all(row_of(w, n), a.data());
+        if (swiglu) {
+          const int64_t u = n + n_out;
+          all(row_of(w, u), b.data());
+          const float bg = bias ? bias[n] : 0.f, bu = bias ? bias[u] : 0.f;
+          for (int64_t r = 0; r < rows; ++r) y[r * n_out + n] = silu(a[r] + bg) * (b[r] + bu);
+          continue;
+        }
+        const float bn = bias ? bias[n] : 0.f;
+        for (int64_t r = 0; r < rows; ++r) y[r * n_out + n] = a[r] + bn + (other ? other[r * n_out + n] : 0.f);
       }
-      const float bn = bias ? bias[n] : 0.f;
-      for (int r = 0; r < M; ++r) y[r * n_out + n] = a[r] + bn + (other ? other[r * n_out + n] : 0.f);
-    }
+    });
   });
 }
 
-// quant_linear.cpp: any number of rows through the 1-to-8-row kernel, 8 rows at a time
-at::Tensor linear_by_eights(const Call& c);
-// quant_krows.cpp: the 1-to-8-row kernel for the K-quants: rows [r0, r0 + count) of the call into y
-void krows_eight(const Call& c, int64_t r0, int64_t count, float* y);
+// quant_linear.cpp: the row kernel over all the call's rows (every kind)
+at::Tensor linear_rows(const Call& c);
+// quant_krows.cpp: the row kernel for the K-quants: all the call's rows into y [rows, n_out]
+void krows(const Call& c, float* y);
 
 }  // namespace cq

@@ -16,7 +16,7 @@
 // so one unpacked weight block serves every row, and the float work is per group, not per lane.
 // Epilogues as quant_linear's: op "none" y = x W^T + b; "add" y = other + x W^T + b; "swiglu" (the
 // two column vectors of a task are 16 gate rows and the same 16 up rows) y = silu(g + bg) * (u + bu).
-// Without VNNI it runs quant_linear's row kernel 8 rows at a time (plain C; correct, not fast).
+// Without VNNI it runs quant_linear's row kernel (plain C; correct, not fast).
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 
@@ -297,7 +297,7 @@ at::Tensor quant_gemm(const at::Tensor& x, at::TensorList wl, int64_t kind, cons
   }
   return y;
 #else
-  return linear_by_eights(c);
+  return linear_rows(c);
 #endif
 }
 

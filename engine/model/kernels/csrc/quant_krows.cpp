@@ -1,4 +1,4 @@
-// quant_krows: the 1-to-8-row kernel (quant_linear.cpp's quant_linear, 8 rows at a time) for the K-quants
+// quant_krows: the row kernel (quant_linear.cpp's quant_linear; rows in groups of 8: rows_out) for the K-quants
 // (q4_k, q5_k, q6_k), accumulating in integers over each 256-weight super-block, as llama.cpp's q4_K x q8_K.
 //
 // Activations (llama.cpp's q8_K): each row is rounded per super-block to int8, one scale da = amax / 127 per
@@ -263,25 +263,27 @@ template <int KIND>
 void run_kkind(const Weight& w, const std::vector<KAct>& act, const float* bias, const float* other, float* y,
                int64_t n_out, bool swiglu) {
   const int64_t sbs = w.k / 256;
-  with_rows(static_cast<int64_t>(act.size()), [&](auto rows) {
-    constexpr int M = decltype(rows)::value;
-    rows_out<M>(w, bias, other, y, n_out, swiglu,
-                [&](const Row& r, float* sums) { dot_krows<KIND, M>(r, sbs, act.data(), sums); });
-  });
+  rows_out(w, static_cast<int64_t>(act.size()), bias, other, y, n_out, swiglu,
+           [&](auto m, const Row& r, int64_t i0, float* sums) {
+             dot_krows<KIND, decltype(m)::value>(r, sbs, act.data() + i0, sums);
+           });
 }
 
 }  // namespace
 
-void cq::krows_eight(const Call& c, int64_t r0, int64_t count, float* y) {
+void cq::krows(const Call& c, float* y) {
   const Weight& w = c.w;
-  std::vector<KAct> act;
-  for (int64_t r = r0; r < r0 + count; ++r) act.push_back(quantize_krow(c.x.data_ptr<float>() + r * w.k, w.k, w.kind));
+  std::vector<KAct> act(c.rows);
+  const float* x = c.x.data_ptr<float>();
+  // rows apart in parallel: each row's rounding is its own, whatever thread does it
+  at::parallel_for(0, c.rows, 1, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) act[r] = quantize_krow(x + r * w.k, w.k, w.kind);
+  });
   const float* bp = ptr_or_null(c.bias);
-  const float* op = c.other.defined() ? c.other.data_ptr<float>() + r0 * c.n_out : nullptr;
-  float* yp = y + r0 * c.n_out;
+  const float* op = ptr_or_null(c.other);
   switch (w.kind) {
-    case Q4_K: run_kkind<Q4_K>(w, act, bp, op, yp, c.n_out, c.swiglu); break;
-    case Q5_K: run_kkind<Q5_K>(w, act, bp, op, yp, c.n_out, c.swiglu); break;
-    default: run_kkind<Q6_K>(w, act, bp, op, yp, c.n_out, c.swiglu); break;
+    case Q4_K: run_kkind<Q4_K>(w, act, bp, op, y, c.n_out, c.swiglu); break;
+    case Q5_K: run_kkind<Q5_K>(w, act, bp, op, y, c.n_out, c.swiglu); break;
+    default: run_kkind<Q6_K>(w, act, bp, op, y, c.n_out, c.swiglu); break;
   }
 }

@@ -2,8 +2,9 @@
 //
 // The block layouts, the pair order and the per-lane arithmetic: quant_blocks.h.
 //
-// quant_linear (1 to 8 rows at a time: decode, batched decode; more rows 8 at a time, the fallback
-// without VNNI), the 32-weight kinds (the K-quants: quant_krows.cpp, in integers per super-block): each row
+// quant_linear (the row kernel: decode and speculative verification, up to INVARIANT_ROWS rows, each row
+// computed bitwise as alone; any number of rows without VNNI, in groups of 8 per weight row: quant_blocks.h's
+// rows_out), the 32-weight kinds (the K-quants: quant_krows.cpp, in integers per super-block): each row
 // of x is quantized per 32-block to int8 (amax / 127 scale, round half away from zero, as llama.cpp's q8_0
 // activations), each weight pair is dotted
 // with it in integers (AVX-512 VNNI `vpdpbusd`: unsigned weight bytes x signed activation bytes, 4
@@ -29,8 +30,6 @@
 namespace {
 
 using namespace cq;
-
-constexpr int64_t kMaxRows = 8;
 
 // One row of x quantized per block, in the kernels' order of a pair (zero-padded to whole pairs);
 // per int32 lane (16 a pair): c1 = da, c2 = da * s16 / 4, c0 = -z * c2 (the lane's block and chunk).
@@ -146,32 +145,34 @@ template <int KIND>
 void run_kind(const Weight& w, const std::vector<Activation>& act, const float* bias, const float* other, float* y,
               int64_t n_out, bool swiglu) {
   const int64_t nb = w.k / 32;
-  with_rows(static_cast<int64_t>(act.size()), [&](auto rows) {
-    constexpr int M = decltype(rows)::value;
-    rows_out<M>(w, bias, other, y, n_out, swiglu,
-                [&](const Row& r, float* sums) { dot_rows<KIND, M>(r, nb, act.data(), sums); });
-  });
+  rows_out(w, static_cast<int64_t>(act.size()), bias, other, y, n_out, swiglu,
+           [&](auto m, const Row& r, int64_t i0, float* sums) {
+             dot_rows<KIND, decltype(m)::value>(r, nb, act.data() + i0, sums);
+           });
 }
 
-// rows [r0, r0 + count) of the call (count <= 8) into y
-void run_eight(const Call& c, int64_t r0, int64_t count, float* y) {
+// all the call's rows into y
+void run_rows(const Call& c, float* y) {
   const Weight& w = c.w;
-  if (super_blocks(w.kind)) return krows_eight(c, r0, count, y);
-  std::vector<Activation> act;
-  for (int64_t r = r0; r < r0 + count; ++r) act.push_back(quantize_row(c.x.data_ptr<float>() + r * w.k, w.k, w.kind));
+  if (super_blocks(w.kind)) return krows(c, y);
+  std::vector<Activation> act(c.rows);
+  const float* x = c.x.data_ptr<float>();
+  // rows apart in parallel: each row's rounding is its own, whatever thread does it
+  at::parallel_for(0, c.rows, 1, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) act[r] = quantize_row(x + r * w.k, w.k, w.kind);
+  });
   const float* bp = ptr_or_null(c.bias);
-  const float* op = c.other.defined() ? c.other.data_ptr<float>() + r0 * c.n_out : nullptr;
-  float* yp = y + r0 * c.n_out;
+  const float* op = ptr_or_null(c.other);
   switch (w.kind) {
-    case Q8_0: run_kind<Q8_0>(w, act, bp, op, yp, c.n_out, c.swiglu); break;
-    case Q4_0: run_kind<Q4_0>(w, act, bp, op, yp, c.n_out, c.swiglu); break;
-    default: run_kind<Q4_1>(w, act, bp, op, yp, c.n_out, c.swiglu); break;
+    case Q8_0: run_kind<Q8_0>(w, act, bp, op, y, c.n_out, c.swiglu); break;
+    case Q4_0: run_kind<Q4_0>(w, act, bp, op, y, c.n_out, c.swiglu); break;
+    default: run_kind<Q4_1>(w, act, bp, op, y, c.n_out, c.swiglu); break;
   }
 }
 
 at::Tensor quant_linear(const at::Tensor& x, at::TensorList wl, int64_t kind, const std::optional<at::Tensor>& bias,
                         const std::optional<at::Tensor>& other, c10::string_view op) {
-  return cq::linear_by_eights(call_of(x, wl, kind, bias, other, op, "quant_linear"));
+  return cq::linear_rows(call_of(x, wl, kind, bias, other, op, "quant_linear"));
 }
 
 // fp32 rows; no contraction into a fused multiply-add, so each value rounds as gguf-py's does
@@ -276,9 +277,9 @@ bool quant_bf16_fast() { return kBf16; }
 
 }  // namespace
 
-at::Tensor cq::linear_by_eights(const Call& c) {
+at::Tensor cq::linear_rows(const Call& c) {
   auto y = at::empty({c.rows, c.n_out}, c.x.options());
-  for (int64_t r0 = 0; r0 < c.rows; r0 += kMaxRows) run_eight(c, r0, std::min(kMaxRows, c.rows - r0), y.data_ptr<float>());
+  run_rows(c, y.data_ptr<float>());
   return y;
 }
 

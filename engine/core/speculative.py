@@ -16,8 +16,10 @@ of the rejected positions with `seq_rm`.
 
 Guarantees:
 - output is token for token the output without speculation, greedy or seeded, wherever the model's
-  logits for a token do not depend on how many rows share its step (float32; in bf16 the multi-row
-  kernels round differently from the one-row one, as batching does): row i is sampled with
+  logits for a token do not depend on how many rows share its step: up to INVARIANT_ROWS rows on the
+  native forward's kernels in bf16 on AMX and on quantized weights (engine/model/native/rows.py says
+  where; in float32 the one-row and many-row linears differ in the last bits, ~1e-7 of a logit, and
+  outputs matched in every run measured): row i is sampled with
   exactly the history (outputs + accepted draft tokens) it would have had, penalties included, and with
   the random draws the i-th next token would have used (the row's generator is rewound after the
   verification and replayed over the kept rows only); a draft token is kept only if it equals the token

@@ -10,6 +10,16 @@ differently from the one-row decode step, greedy output would drift from the out
 (bf16 and the quantized kernels round visibly). With this, greedy output with and without drafts is token
 for token the same, and so is one sequence's output whether it decodes alone or beside others, as long as
 the step stays within the limit. Larger steps (prefill, many sequences) take the faster many-row kernels.
+
+Where it holds (the native forward with its fused kernels, the default on CPU):
+- bf16 on a CPU with AMX: the linears run on `amx_linear` up to the limit (bitwise oneDNN's AMX result for the
+  row at any row count), attention on the fused cell kernel;
+- quantized weights (a GGUF's blocks, `--quantize`): the integer row kernel up to the limit
+  (engine/model/native/quant.py), float32 activations, int8 or float cells;
+- not in float32 (the one-row kernel and oneDNN's sum in different orders: ~1e-7 of a logit, greedy output
+  matched in every run measured, but no guarantee), not in bf16 without AMX (the one-row kernel, then
+  oneDNN), not on the transformers path.
+Tests: tests/engine/model/test_row_invariance.py, test_linear.py (AMX), test_quant_rows_invariant.py.
 """
 
 INVARIANT_ROWS = 16  # one sequence's 1 + 8 drafted rows, or a few sequences' decodes and drafts

@@ -23,9 +23,10 @@ copy of a linear's weight. `QuantLinear` has `Linear`'s interface
   error: the three bf16 roundings (x, W, the output), within the bound the tests state.
   The crossovers were measured (`python -m engine.bench.quant_kernels`, docs/performance.md issue 26):
   the GEMM wins from 2-4 rows for the 32-weight kinds (the row kernel, with per-lane float work for
-  each row, is ~3-4x slower than it at 9-16 rows: the price of row invariance there) and from ~12-16
-  for the K-quants, up to ~64-96 rows, bf16 tiles above; the GEMM is 5-20x faster than the fp32 tiles
-  below at every row count, bf16 tiles 2-6x at 512 rows.
+  each row, is 1.7-2.9x slower than it at 9-16 rows on one thread, 1.2-2.6x on two: the price of row
+  invariance there) and from ~16 for the K-quants (their row kernel is faster to 12 rows), up to
+  ~64-96 rows, bf16 tiles above; the GEMM is 5-20x faster than the fp32 tiles below at every row
+  count, bf16 tiles 2-6x at 512 rows.
 - no VNNI (the row kernel would run in plain C), `gemm` switched off past `INVARIANT_ROWS` rows (the
   bench's A/B baseline), or no kernels: the weight dequantized to float32 one tile of `TILE_BYTES` at a
   time (`quant_dequant`, or torch ops without the kernels) and multiplied by `torch.mm` (up to

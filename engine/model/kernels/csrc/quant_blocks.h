@@ -270,37 +270,47 @@ inline void with_rows(int64_t rows, F&& f) {
 
 constexpr int64_t kGroupRows = 8;  // activation rows a kernel call holds in registers
 
-// Their output loop, over the output rows in parallel, for any number of activation rows: per weight row,
-// `dot(M, row, i0, sums)` (M a std::integral_constant) writes the dot products of activation rows
-// [i0, i0 + M) with it, in groups of 8 and then the rest, one after another while the weight row is still in
-// cache, so one call streams the weight from memory once whatever its row count (passes of 8 rows each
-// streamed it again). A kernel keeps one accumulator per activation row and never sums across them, so a
-// row's output takes the same operations in any group of any size: bitwise what a call with it alone gives
-// (engine/model/native/rows.py). Then y = sums + b (+ other), or with `swiglu` (W = [gate; up], 2 n_out
-// rows) y = silu(gate + bg) * (up + bu).
+// Their output loop, over the output rows in parallel, for any number of activation rows. Per one or two
+// weight rows rs (outputs n and n + 1; with swiglu the gate and up rows of output n; one at a time at one row),
+// `dot(M, rs, nw, i0, sums)` (M a std::integral_constant) writes the dot products of activation rows
+// [i0, i0 + M) with each: sums[j * rows + i0 + i]; in groups of 8 and then the rest, one after another
+// while the weight rows are still in cache, so one call streams the weight from memory once whatever its
+// row count (passes of 8 rows each streamed it again). A kernel keeps one accumulator per (weight row,
+// activation row) and never sums across them, so a row's output takes the same operations in any group of
+// any size: bitwise what a call with it alone gives (engine/model/native/rows.py). Then y = sums + b
+// (+ other), or with `swiglu` (W = [gate; up], 2 n_out rows) y = silu(gate + bg) * (up + bu).
 template <class Dot>
 inline void rows_out(const Weight& w, int64_t rows, const float* bias, const float* other, float* y, int64_t n_out,
                      bool swiglu, const Dot& dot) {
   const int64_t full = (rows - 1) / kGroupRows, tail = rows - kGroupRows * full;  // tail: 1 to 8
   with_rows(tail, [&](auto t) {
-    const auto all = [&](const Row& r, float* sums) {
+    const auto all = [&](const Row* rs, int nw, float* sums) {
       for (int64_t g = 0; g < full; ++g)
-        dot(std::integral_constant<int, kGroupRows>{}, r, kGroupRows * g, sums + kGroupRows * g);
-      dot(t, r, kGroupRows * full, sums + kGroupRows * full);
+        dot(std::integral_constant<int, kGroupRows>{}, rs, nw, kGroupRows * g, sums + kGroupRows * g);
+      dot(t, rs, nw, kGroupRows * full, sums + kGroupRows * full);
     };
+    // one row (decode) streams one weight row at a time: two were slower there (q8_0 2048x8192: 0.70 -> 0.85 ms)
+    const bool share = rows > 1;
     at::parallel_for(0, n_out, 16, [&](int64_t n0, int64_t n1) {
-      std::vector<float> a(rows), b(swiglu ? rows : 0);
-      for (int64_t n = n0; n < n1; ++n) {
-        all(row_of(w, n), a.data());
+      std::vector<float> s(2 * rows);
+      for (int64_t n = n0; n < n1; n += swiglu || !share ? 1 : 2) {
+        const int nw = swiglu || (share && n + 1 < n1) ? 2 : 1;
+        const Row rs[2] = {row_of(w, n), row_of(w, swiglu ? n + n_out : n + nw - 1)};
+        if (share) {
+          all(rs, nw, s.data());
+        } else {
+          for (int j = 0; j < nw; ++j) all(rs + j, 1, s.data() + j * rows);
+        }
         if (swiglu) {
-          const int64_t u = n + n_out;
-          all(row_of(w, u), b.data());
-          const float bg = bias ? bias[n] : 0.f, bu = bias ? bias[u] : 0.f;
-          for (int64_t r = 0; r < rows; ++r) y[r * n_out + n] = silu(a[r] + bg) * (b[r] + bu);
+          const float bg = bias ? bias[n] : 0.f, bu = bias ? bias[n + n_out] : 0.f;
+          for (int64_t r = 0; r < rows; ++r) y[r * n_out + n] = silu(s[r] + bg) * (s[rows + r] + bu);
           continue;
         }
-        const float bn = bias ? bias[n] : 0.f;
-        for (int64_t r = 0; r < rows; ++r) y[r * n_out + n] = a[r] + bn + (other ? other[r * n_out + n] : 0.f);
+        for (int j = 0; j < nw; ++j) {
+          const float bn = bias ? bias[n + j] : 0.f;
+          for (int64_t r = 0; r < rows; ++r)
+            y[r * n_out + n + j] = s[j * rows + r] + bn + (other ? other[r * n_out + n + j] : 0.f);
+        }
       }
     });
   });

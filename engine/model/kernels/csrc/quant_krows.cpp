@@ -264,8 +264,9 @@ void run_kkind(const Weight& w, const std::vector<KAct>& act, const float* bias,
                int64_t n_out, bool swiglu) {
   const int64_t sbs = w.k / 256;
   rows_out(w, static_cast<int64_t>(act.size()), bias, other, y, n_out, swiglu,
-           [&](auto m, const Row& r, int64_t i0, float* sums) {
-             dot_krows<KIND, decltype(m)::value>(r, sbs, act.data() + i0, sums);
+           [&](auto m, const Row* r, int nw, int64_t i0, float* sums) {
+             const int64_t rows = static_cast<int64_t>(act.size());
+             for (int j = 0; j < nw; ++j) dot_krows<KIND, decltype(m)::value>(r[j], sbs, act.data() + i0, sums + j * rows);
            });
 }
 

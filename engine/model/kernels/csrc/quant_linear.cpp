@@ -12,7 +12,10 @@
 //   y += dv * (da * dot - z * da * s16 / 4) + mv * da * s16 / 4
 // with da the activation block's scale and s16 the sum of the int8 activations of the lane's chunk
 // (4 lanes a chunk: the chunk's terms sum to z * da * s16 and mv * da * s16). Each weight pair is
-// loaded and unpacked once for all the rows. Without VNNI the same integer sums run in plain C.
+// loaded and unpacked once for a group of up to 8 rows; past one row, two weight rows share each
+// activation load. That per-lane float work for every row makes it ~2x slower than quant_gemm at 9-16
+// rows (engine/bench/quant_kernels.py), the price of row invariance. Without VNNI the same integer sums
+// run in plain C.
 //   op "none" y = x W^T + b; "add" y = other + x W^T + b; "swiglu": W = [gate; up] (2n rows),
 //   y = silu(x G^T + bg) * (x U^T + bu).
 // Many rows with VNNI: quant_gemm.cpp.
@@ -31,20 +34,18 @@ namespace {
 
 using namespace cq;
 
-// One row of x quantized per block, in the kernels' order of a pair (zero-padded to whole pairs);
-// per int32 lane (16 a pair): c1 = da, c2 = da * s16 / 4, c0 = -z * c2 (the lane's block and chunk).
-struct Activation {
-  std::vector<int8_t> q;
-  std::vector<float> c1, c0, c2;
+// One pair (64 inputs) of one row of x quantized per block, in the kernels' order of a pair; per int32 lane
+// (16 a pair): c1 = da, c2 = da * s16 / 4, c0 = -z * c2 (the lane's block and chunk). A call's rows lie
+// pair-major ([pair][row]), so a group of rows is read at fixed offsets from one pointer (one array per row
+// and field ran the compiler out of registers), the group's records of a pair one after another.
+struct alignas(64) PairAct {
+  int8_t q[64];
+  float c1[16], c0[16], c2[16];
 };
 
-Activation quantize_row(const float* x, int64_t k, int64_t kind) {
+// One row of x into act[p * stride] for each pair p (zero-padded to whole pairs: act starts zeroed).
+void quantize_row(const float* x, int64_t k, int64_t kind, PairAct* act, int64_t stride) {
   const int64_t nb = k / 32, pairs = (nb + 1) / 2;
-  Activation a;
-  a.q.assign(pairs * 64, 0);
-  a.c1.assign(pairs * 16, 0.f);
-  a.c0.assign(pairs * 16, 0.f);
-  a.c2.assign(pairs * 16, 0.f);
   const float z = static_cast<float>(zero_point(kind));
   std::vector<float> da(nb);
   for (int64_t b = 0; b < nb; ++b) {
@@ -54,26 +55,26 @@ Activation quantize_row(const float* x, int64_t k, int64_t kind) {
     da[b] = amax / 127.f;
     const float inv = da[b] != 0.f ? 1.f / da[b] : 0.f;
     const int64_t pair = b / 2, blk = b % 2;
-    int8_t* dst = a.q.data() + pair * 64;
+    int8_t* dst = act[pair * stride].q;
     for (int i = 0; i < 32; ++i) {
       const int8_t v = static_cast<int8_t>(std::round(xb[i] * inv));
       dst[pair_pos(kind, static_cast<int>(blk), i)] = v;
     }
   }
   for (int64_t pair = 0; pair < pairs; ++pair) {
+    PairAct& a = act[pair * stride];
     for (int c = 0; c < 4; ++c) {
       const int64_t b = pair * 2 + chunk_block(kind, c);
       if (b >= nb) continue;
       int sum = 0;
-      for (int i = 0; i < 16; ++i) sum += a.q[pair * 64 + c * 16 + i];
+      for (int i = 0; i < 16; ++i) sum += a.q[c * 16 + i];
       for (int lane = 4 * c; lane < 4 * c + 4; ++lane) {
-        a.c1[pair * 16 + lane] = da[b];
-        a.c2[pair * 16 + lane] = da[b] * static_cast<float>(sum) / 4.f;
-        a.c0[pair * 16 + lane] = -z * a.c2[pair * 16 + lane];
+        a.c1[lane] = da[b];
+        a.c2[lane] = da[b] * static_cast<float>(sum) / 4.f;
+        a.c0[lane] = -z * a.c2[lane];
       }
     }
   }
-  return a;
 }
 
 #ifdef CELLSERVE_QUANT_VNNI
@@ -85,88 +86,107 @@ inline __m512 load_scales(const c10::Half* s, int64_t p, bool half, const __m512
   return _mm512_permutexvar_ps(idx, _mm512_castps128_ps512(_mm_cvtph_ps(raw)));
 }
 
-template <int KIND, int M>
-void dot_rows(const Row& r, int64_t nb, const Activation* act, float* out) {
+// M rows of x (act: the first one's pair 0; stride: rows a pair) times W weight rows r[0..W): out[j * ostride + i].
+// Past a few rows this kernel streams the activations from L2 (192 bytes a pair and row, for every weight
+// row), so two weight rows share each activation load. Each (weight row, row of x) takes the same operations
+// in the same order whatever W and M are.
+template <int KIND, int M, int W>
+void dot_rows(const Row* r, int64_t nb, const PairAct* act, int64_t stride, float* out, int64_t ostride) {
   const int64_t pairs = (nb + 1) / 2;
   // lane -> block of the pair; lane -> q6_k group of the pair (chunk c: block c % 2, half c / 2)
   static_assert(KIND == Q8_0 || KIND == Q4_0 || KIND == Q4_1, "the K-quants: quant_krows.cpp");
   const __m512i idx = KIND == Q8_0 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
                                    : _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
   constexpr bool has_m = KIND == Q4_1;
-  __m512 acc[M];
-  for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_ps();
+  __m512 acc[W][M];
+  for (int j = 0; j < W; ++j)
+    for (int i = 0; i < M; ++i) acc[j][i] = _mm512_setzero_ps();
   constexpr int64_t pair_bytes = KIND == Q8_0 ? 64 : 32;
   for (int64_t p = 0; p < pairs; ++p) {
     const bool half = 2 * p + 1 == nb;
-    // as quant_krows.cpp: one core's demand misses alone stream ~10 GB/s; prefetching 4 KiB ahead (past a
-    // row's end: the next row's, the rows lying one after another; a prefetch never faults) keeps more in flight
-    _mm_prefetch(reinterpret_cast<const char*>(r.qs + (p + 4096 / pair_bytes) * pair_bytes), _MM_HINT_T0);
-    const __m512i w = load_pair<KIND>(r, p, half);
-    const __m512 dv = load_scales(r.d, p, half, idx);
-    const __m512 mv = has_m ? load_scales(r.m, p, half, idx) : _mm512_setzero_ps();
+    __m512i w[W];
+    __m512 dv[W], mv[W];
+    for (int j = 0; j < W; ++j) {
+      // as quant_krows.cpp: one core's demand misses alone stream ~10 GB/s; prefetching 4 KiB ahead (past a
+      // row's end: the next row's, the rows lying one after another; a prefetch never faults) keeps more in flight
+      _mm_prefetch(reinterpret_cast<const char*>(r[j].qs + (p + 4096 / pair_bytes) * pair_bytes), _MM_HINT_T0);
+      w[j] = load_pair<KIND>(r[j], p, half);
+      dv[j] = load_scales(r[j].d, p, half, idx);
+      mv[j] = has_m ? load_scales(r[j].m, p, half, idx) : _mm512_setzero_ps();
+    }
+    const PairAct* ap = act + p * stride;
     for (int i = 0; i < M; ++i) {
-      const Activation& a = act[i];
-      const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w, _mm512_loadu_si512(a.q.data() + p * 64));
-      const __m512 c1 = _mm512_loadu_ps(a.c1.data() + p * 16);
-      const __m512 f = has_m ? _mm512_mul_ps(_mm512_cvtepi32_ps(dot), c1)
-                           : _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), c1, _mm512_loadu_ps(a.c0.data() + p * 16));
-      acc[i] = _mm512_fmadd_ps(f, dv, acc[i]);
-      if (has_m) acc[i] = _mm512_fmadd_ps(mv, _mm512_loadu_ps(a.c2.data() + p * 16), acc[i]);
+      const PairAct& a = ap[i];
+      const __m512i q = _mm512_load_si512(a.q);
+      const __m512 c1 = _mm512_load_ps(a.c1), c = _mm512_load_ps(has_m ? a.c2 : a.c0);
+      for (int j = 0; j < W; ++j) {
+        const __m512i dot = _mm512_dpbusd_epi32(_mm512_setzero_si512(), w[j], q);
+        const __m512 f = has_m ? _mm512_mul_ps(_mm512_cvtepi32_ps(dot), c1)
+                             : _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), c1, c);
+        acc[j][i] = _mm512_fmadd_ps(f, dv[j], acc[j][i]);
+        if (has_m) acc[j][i] = _mm512_fmadd_ps(mv[j], c, acc[j][i]);
+      }
     }
   }
-  for (int i = 0; i < M; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
+  for (int j = 0; j < W; ++j)
+    for (int i = 0; i < M; ++i) out[j * ostride + i] = _mm512_reduce_add_ps(acc[j][i]);
 }
 #else
 constexpr bool kVnni = false;
 
 template <int KIND, int M>
-void dot_rows(const Row& r, int64_t nb, const Activation* act, float* out) {
+void dot_one(const Row& r, int64_t nb, const PairAct* act, int64_t stride, float* out) {
   uint8_t q[64];
   float dv[16], mv[16];
   for (int i = 0; i < M; ++i) out[i] = 0.f;
   for (int64_t p = 0; p < (nb + 1) / 2; ++p) {
     unpack_pair(KIND, r, p, nb, q, dv, mv);
     for (int i = 0; i < M; ++i) {
-      const Activation& a = act[i];
+      const PairAct& a = act[p * stride + i];
       float s = 0.f;
       for (int lane = 0; lane < 16; ++lane) {
         int dot = 0;
-        for (int j = 4 * lane; j < 4 * lane + 4; ++j) dot += int(q[j]) * a.q[p * 64 + j];
-        const int64_t l = p * 16 + lane;
-        s += dv[lane] * (a.c1[l] * static_cast<float>(dot) + a.c0[l]) + mv[lane] * a.c2[l];
+        for (int j = 4 * lane; j < 4 * lane + 4; ++j) dot += int(q[j]) * a.q[j];
+        s += dv[lane] * (a.c1[lane] * static_cast<float>(dot) + a.c0[lane]) + mv[lane] * a.c2[lane];
       }
       out[i] += s;
     }
   }
 }
+
+template <int KIND, int M, int W>
+void dot_rows(const Row* r, int64_t nb, const PairAct* act, int64_t stride, float* out, int64_t ostride) {
+  for (int j = 0; j < W; ++j) dot_one<KIND, M>(r[j], nb, act, stride, out + j * ostride);
+}
 #endif
 
 template <int KIND>
-void run_kind(const Weight& w, const std::vector<Activation>& act, const float* bias, const float* other, float* y,
-              int64_t n_out, bool swiglu) {
+void run_kind(const Weight& w, const std::vector<PairAct>& act, int64_t rows, const float* bias, const float* other,
+              float* y, int64_t n_out, bool swiglu) {
   const int64_t nb = w.k / 32;
-  rows_out(w, static_cast<int64_t>(act.size()), bias, other, y, n_out, swiglu,
-           [&](auto m, const Row& r, int64_t i0, float* sums) {
-             dot_rows<KIND, decltype(m)::value>(r, nb, act.data() + i0, sums);
-           });
+  rows_out(w, rows, bias, other, y, n_out, swiglu, [&](auto m, const Row* r, int nw, int64_t i0, float* sums) {
+    constexpr int M = decltype(m)::value;
+    if (nw == 2) return dot_rows<KIND, M, 2>(r, nb, act.data() + i0, rows, sums, rows);
+    dot_rows<KIND, M, 1>(r, nb, act.data() + i0, rows, sums, rows);
+  });
 }
 
 // all the call's rows into y
 void run_rows(const Call& c, float* y) {
   const Weight& w = c.w;
   if (super_blocks(w.kind)) return krows(c, y);
-  std::vector<Activation> act(c.rows);
+  std::vector<PairAct> act((w.k / 32 + 1) / 2 * c.rows);  // zeroed
   const float* x = c.x.data_ptr<float>();
   // rows apart in parallel: each row's rounding is its own, whatever thread does it
   at::parallel_for(0, c.rows, 1, [&](int64_t a, int64_t b) {
-    for (int64_t r = a; r < b; ++r) act[r] = quantize_row(x + r * w.k, w.k, w.kind);
+    for (int64_t r = a; r < b; ++r) quantize_row(x + r * w.k, w.k, w.kind, act.data() + r, c.rows);
   });
   const float* bp = ptr_or_null(c.bias);
   const float* op = ptr_or_null(c.other);
   switch (w.kind) {
-    case Q8_0: run_kind<Q8_0>(w, act, bp, op, y, c.n_out, c.swiglu); break;
-    case Q4_0: run_kind<Q4_0>(w, act, bp, op, y, c.n_out, c.swiglu); break;
-    default: run_kind<Q4_1>(w, act, bp, op, y, c.n_out, c.swiglu); break;
+    case Q8_0: run_kind<Q8_0>(w, act, c.rows, bp, op, y, c.n_out, c.swiglu); break;
+    case Q4_0: run_kind<Q4_0>(w, act, c.rows, bp, op, y, c.n_out, c.swiglu); break;
+    default: run_kind<Q4_1>(w, act, c.rows, bp, op, y, c.n_out, c.swiglu); break;
   }
 }
 

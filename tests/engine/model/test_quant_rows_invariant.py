@@ -8,7 +8,7 @@ checked only within the integer kernels' bound against dequantize-then-`F.linear
 import pytest
 import torch
 import torch.nn.functional as F
-from test_quant_linear import KINDS, _k, _round_activations, _weight
+from test_quant_linear import KINDS, _k, _round_activations, _weight  # puts tests/engine/loader on sys.path
 
 from engine.loader.gguf_tensors import KIND_IDS
 from engine.model.kernels import build as kernels
@@ -111,3 +111,39 @@ def test_more_rows_within_the_bound(kind):
         gu = lin.swiglu(x)
         y = lin(x)
         torch.testing.assert_close(gu, F.silu(y[:, : N // 2]) * y[:, N // 2:], atol=1e-5, rtol=1e-6)
+
+
+@pytest.mark.parametrize("qtype", ["q4_k_m", "q8_0", "q4_1"])
+def test_gguf_drafted_rows_give_the_decode_rows_logits(qtype, tmp_path):
+    """End to end on a GGUF served quantized (tests/engine/model/test_row_invariance.py's check): a sequence's
+    next tokens decoded one step at a time give logits bitwise equal to their rows in one verification-like
+    step of 9 drafted rows beside another sequence's decode row (10 rows: the old GEMM path from 4 or 9)."""
+    import gguf
+    from tiny_gguf import q4_k_m, tiny_llama, write_llama_gguf
+
+    from engine.loader.source import resolve_model
+    from engine.model.flat_step import flatten_step
+    from engine.model.runner import ModelRunner
+
+    if not torch.ops.cellserve.quant_linear_fast():
+        pytest.skip("without VNNI the quantized linears run on fp32 tiles (rows.py: float32 is not invariant)")
+    kinds = {"q4_k_m": lambda name: q4_k_m(name, 2), "q8_0": gguf.GGMLQuantizationType.Q8_0,
+             "q4_1": gguf.GGMLQuantizationType.Q4_1}
+    path = write_llama_gguf(tmp_path / "tiny.gguf", tiny_llama(seed=2, tied=False, big=True), kinds[qtype])
+    folder = resolve_model(str(path), "quantized", home=tmp_path / "home", progress=False).path
+
+    def prompt(n, seed):
+        return torch.randint(3, 4000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+    prefix, drafts, other = prompt(40, 1), prompt(9, 2), prompt(7, 3)
+    alone = ModelRunner.from_pretrained(folder, n_cells=256)
+    alone.run({0: (prefix, 0)})
+    decoded = [alone.run({0: ([t], len(prefix) + i)})[0] for i, t in enumerate(drafts)]
+    together = ModelRunner.from_pretrained(folder, n_cells=256)
+    together.run({5: (other, 0)})
+    together.run({0: (prefix, 0)})
+    step = flatten_step({0: (drafts, len(prefix)), 5: ([prompt(1, 4)[0]], len(other))})
+    step.logits_indices = torch.arange(len(drafts))
+    verified = together.forward(step)
+    for i, row in enumerate(decoded):
+        assert torch.equal(verified[i], row), f"drafted row {i}: max difference {(verified[i] - row).abs().max()}"

@@ -369,6 +369,7 @@ def _flatten(chunks: list[Chunk], sample_chunks: list[Chunk], prompt_rows: dict[
              for i, c in enumerate(chunks) if prompt_rows and id(c) in prompt_rows]
     rows = [last[pick], *drafted, *extra]
     step.logits_indices = torch.cat(rows) if pick or drafted or extra else last[[0]]
+    step.drafts = bool(drafted)
     return step
 
 

@@ -16,6 +16,7 @@ class FlatStep:
     positions: torch.Tensor  # [T]
     seq_ids: torch.Tensor  # [T]
     logits_indices: torch.Tensor  # [S] row of each sequence's last token, in dict order
+    drafts: bool = False  # some chunk carries drafted tokens: its rows must round as one-row steps (rows.py)
 
 
 def flatten_step(chunks: dict[int, tuple[list[int], int]]) -> FlatStep:

@@ -32,6 +32,7 @@ from engine.model.hf_attention import (
 )
 from engine.model.native.linear import two_copies
 from engine.model.native.model import NativeLlama, native_unsupported
+from engine.model.native.rows import drafted_step
 
 DEFAULT_N_CELLS = 8192
 
@@ -210,7 +211,7 @@ class ModelRunner:
         tokens = torch.as_tensor(step.tokens).reshape(-1).to(self.device)
         rows = torch.as_tensor(step.logits_indices, dtype=torch.int64).reshape(-1).to(self.device)
         try:
-            with torch.inference_mode():
+            with torch.inference_mode(), drafted_step(step.drafts):
                 if self.native is not None:
                     logits = self.native.forward(self.cache, tokens, plan, rows)
                 else:

@@ -7,7 +7,8 @@ copy of a linear's weight. `QuantLinear` has `Linear`'s interface
 - with the fused kernels built and AVX-512 VNNI, up to `BF16_ROWS` rows run in integers: the rows
   quantized once per call to int8 (per 32-block; the K-quants per 256-weight super-block, llama.cpp's
   q8_K) and dotted with the weight blocks (bias, residual add and SiLU*up fused). Up to
-  `ROW_KERNEL_ROWS` = `INVARIANT_ROWS` rows (decode, speculative verification: engine/model/native/rows.py):
+  `ROW_KERNEL_ROWS` rows (decode; the K-quants `K_ROW_KERNEL_ROWS`), and up to `INVARIANT_ROWS` in a step
+  that carries drafts (speculative verification: engine/model/native/rows.py, `must_match_alone`):
   `torch.ops.cellserve.quant_linear` (engine/model/kernels/csrc/quant_linear.cpp; the K-quants
   quant_krows.cpp, which sums each super-block in integers), which streams each weight row once for
   all the rows (groups of 8 while it is in cache) and computes each row bitwise as a call with it alone,
@@ -27,10 +28,10 @@ copy of a linear's weight. `QuantLinear` has `Linear`'s interface
   invariance there) and from ~16 for the K-quants (their row kernel is faster to 12 rows), up to
   ~64-96 rows, bf16 tiles above; the GEMM is 5-20x faster than the fp32 tiles below at every row
   count, bf16 tiles 2-6x at 512 rows.
-- no VNNI (the row kernel would run in plain C), `gemm` switched off past `INVARIANT_ROWS` rows (the
+- no VNNI (the row kernel would run in plain C), `gemm` switched off past the row kernel's rows (the
   bench's A/B baseline), or no kernels: the weight dequantized to float32 one tile of `TILE_BYTES` at a
-  time (`quant_dequant`, or torch ops without the kernels) and multiplied by `torch.mm` (up to
-  `INVARIANT_ROWS` rows one row at a time, so each row is as alone), so at most one tile of float32
+  time (`quant_dequant`, or torch ops without the kernels) and multiplied by `torch.mm` (in a step with
+  drafts, up to `INVARIANT_ROWS` rows one row at a time, so each row is as alone), so at most one tile of float32
   exists per call; the result equals dequantize-then-`F.linear` up to float32 summation order.
 `QuantEmbedding` looks token rows up in the same blocks (a tied LM head and its embedding share them).
 `GroupLinear` runs stacked weights of several kinds (Q|K|V with V in Q6_K, as Q4_K_M files have it) as
@@ -43,15 +44,18 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from engine.loader.gguf_tensors import KIND_IDS, QuantWeight
+from engine.loader.gguf_tensors import BLOCK_WEIGHTS, KIND_IDS, QuantWeight
 from engine.model.native.linear import Linear
-from engine.model.native.rows import INVARIANT_ROWS
+from engine.model.native.rows import must_match_alone
 
 TILE_BYTES = 8 << 20  # float32 bytes of weight unpacked at once on the fp32-tile path
-# With VNNI the row kernel takes up to INVARIANT_ROWS rows, GEMM on or off: it computes each row bitwise as
-# alone, so drafted rows of a verification step round as one-row decode steps do (quant_gemm sums in
-# another order: its rows differ from the row kernel's in the last bits), even where the GEMM is faster.
-ROW_KERNEL_ROWS = INVARIANT_ROWS
+# The row kernel computes each row bitwise as alone; quant_gemm sums in another order (its rows differ in the
+# last bits). With VNNI the row kernel takes every call of up to ROW_KERNEL_ROWS rows (where it is the faster:
+# measured crossover 2-4 rows; the K-quants' integer super-block sums to 8-12), and up to INVARIANT_ROWS in a
+# step with drafts (`must_match_alone`), so drafted rows round as one-row decode steps do, even where the GEMM
+# is faster (a plain batched decode of 8 sequences keeps the GEMM: 1.2-2.9x faster there for the 32-weight kinds).
+ROW_KERNEL_ROWS = 3
+K_ROW_KERNEL_ROWS = 8
 BF16_ROWS = 80  # from this many rows bf16 tiles, where the CPU multiplies bf16 natively (measured: 64-96)
 
 
@@ -70,6 +74,7 @@ class QuantLinear:
         self.small = False  # NativeLlama.fused sets it: the fused kernels are loaded
         self.gemm = True  # many rows on quant_gemm (with `small` and VNNI); off: fp32 tiles, the old path
         self.tile = max(16, TILE_BYTES // (4 * self.in_features))
+        self.row_rows = K_ROW_KERNEL_ROWS if BLOCK_WEIGHTS[weight.kind] == 256 else ROW_KERNEL_ROWS  # K-quants
 
     @property
     def nbytes(self) -> int:
@@ -86,7 +91,7 @@ class QuantLinear:
             return "bf16"
         if not integers:  # the row kernel in plain C: fp32 tiles instead, as before
             return "fp32"
-        if rows <= ROW_KERNEL_ROWS:
+        if rows <= self.row_rows or must_match_alone(rows):
             return "rows"
         return "gemm" if self.gemm else "fp32"
 
@@ -127,7 +132,7 @@ class QuantLinear:
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         y = self(x)
-        if y.shape[0] > INVARIANT_ROWS:
+        if not must_match_alone(y.shape[0]):
             return F.silu(y)
         for row in y:  # torch's silu rounds the tail of its vector loop apart: each row its own loop, as alone
             F.silu(row, inplace=True)
@@ -156,7 +161,7 @@ def _times(x: torch.Tensor, tile: torch.Tensor) -> torch.Tensor:
     """x @ tile.T; up to INVARIANT_ROWS rows one row at a time (each a fresh, aligned [1, K] tensor), since
     torch's matmul may sum a row in another order beside other rows than alone (a matrix-vector kernel
     at one row)."""
-    if x.shape[0] > INVARIANT_ROWS:
+    if not must_match_alone(x.shape[0]):
         return F.linear(x, tile)
     return torch.cat([F.linear(x[i:i + 1].clone(), tile) for i in range(x.shape[0])])
 

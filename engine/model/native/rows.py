@@ -9,7 +9,8 @@ Why: a speculative verification step runs a sequence's drafted tokens as extra r
 differently from the one-row decode step, greedy output would drift from the output without speculation
 (bf16 and the quantized kernels round visibly). With this, greedy output with and without drafts is token
 for token the same, and so is one sequence's output whether it decodes alone or beside others, as long as
-the step stays within the limit. Larger steps (prefill, many sequences) take the faster many-row kernels.
+the step stays within the limit. Larger steps (prefill, many sequences) take the faster many-row kernels,
+and so do steps without drafts where the row-invariant kernel is the slower one (`drafted_step`).
 
 Where it holds (the native forward with its fused kernels, the default on CPU):
 - bf16 on a CPU with AMX: the linears run on `amx_linear` up to the limit (bitwise oneDNN's AMX result for the
@@ -22,4 +23,28 @@ Where it holds (the native forward with its fused kernels, the default on CPU):
 Tests: tests/engine/model/test_row_invariance.py, test_linear.py (AMX), test_quant_rows_invariant.py.
 """
 
+import contextlib
+import threading
+
 INVARIANT_ROWS = 16  # one sequence's 1 + 8 drafted rows, or a few sequences' decodes and drafts
+
+_step = threading.local()
+
+
+@contextlib.contextmanager
+def drafted_step(drafts: bool):
+    """Run this thread's forward as a step that carries drafted rows (`drafts`) or not. Kernels whose
+    row-invariant form is slower than another at some row counts (the 32-weight quantized kinds: the GEMM
+    wins from 4 rows) take it only in steps with drafts: those are the steps whose rows must round as the
+    one-row decode does; a plain batched decode takes the fastest kernel, as batching always did."""
+    before = getattr(_step, "drafts", False)
+    _step.drafts = drafts
+    try:
+        yield
+    finally:
+        _step.drafts = before
+
+
+def must_match_alone(rows: int) -> bool:
+    """Whether a call of `rows` rows, in the step now running, must compute each row as it would alone."""
+    return rows <= INVARIANT_ROWS and getattr(_step, "drafts", False)

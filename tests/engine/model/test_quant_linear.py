@@ -5,14 +5,15 @@ Tolerances, and why:
 - unpacking (`quant_dequant`, `QuantWeight.dequantize`): exact (equal to gguf-py's dequantize: both
   compute d * (q - z) + m in fp32 with the same roundings: for the K-quants (d * sc) * q - dmin * m, and
   (d * sc) * (q - 32) for q6_k; the C++ path is compiled without fused multiply-adds there).
-- fp32 tiles (dequantized tiles + torch.mm; without VNNI, or more than INVARIANT_ROWS rows with the GEMM
+- fp32 tiles (dequantized tiles + torch.mm; without VNNI, or past the row kernel's rows with the GEMM
   off): fp32 summation order only: atol 1e-4 on outputs of size ~10.
 - many rows on bf16 tiles (`BF16_ROWS` rows and more on CPUs with AVX512-BF16): the tile is the exact
   dequantized weight rounded to bf16 (checked exactly); x is rounded to bf16 and torch's bf16 matmul
   sums in fp32 and rounds the output to bf16, so against the fp32 reference an output moves by at most
   (|x| @ |W|.T) * 2^-8 (two roundings of relative 2^-9) + |y| * 2^-8 (the output's) + 1e-4.
-- the integer kernels (`quant_linear`, the row kernel: up to INVARIANT_ROWS rows, each bitwise as alone:
-  tests/engine/model/test_quant_rows_invariant.py; `quant_gemm`, the blocked GEMM for more): the activations are rounded to int8 (scale da = amax / 127, half away from
+- the integer kernels (`quant_linear`, the row kernel: few rows, up to INVARIANT_ROWS in a step with drafts,
+  each bitwise as alone: tests/engine/model/test_quant_rows_invariant.py; `quant_gemm`, the blocked GEMM for
+  more): the activations are rounded to int8 (scale da = amax / 127, half away from
   zero) per 32-block for the 32-weight kinds (llama.cpp's q8_0) and per 256-weight super-block for the
   K-quants (llama.cpp's q8_K: the row kernel then sums each super-block in integers), so against the
   fp32 reference an output may move by at most sum_k |w_k| * da_s(k) / 2 with da_s(k) the scale of
@@ -40,7 +41,7 @@ import kquants  # tests/engine/loader/kquants.py: K-quant blocks from the defini
 from engine.loader.gguf_tensors import KIND_IDS, QuantWeight, pack_blocks
 from engine.model.kernels import build as kernels
 from engine.model.native.quant import BF16_ROWS, QuantEmbedding, QuantLinear
-from engine.model.native.rows import INVARIANT_ROWS
+from engine.model.native.rows import INVARIANT_ROWS, drafted_step
 
 Q = gguf.GGMLQuantizationType
 KINDS = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q4_k": Q.Q4_K, "q5_k": Q.Q5_K, "q6_k": Q.Q6_K}
@@ -121,7 +122,7 @@ def test_small_rows_kernel(kind, k, rows):
                                exact + other, atol=2e-4, rtol=0)
     gu = torch.ops.cellserve.quant_linear(x, w.tensors(), KIND_IDS[kind], bias, None, "swiglu")
     torch.testing.assert_close(gu, F.silu(exact[:, : n // 2]) * exact[:, n // 2:], atol=2e-4, rtol=0)
-    # QuantLinear: in integers with VNNI (the row kernel: up to INVARIANT_ROWS rows), else on fp32 tiles (no rounding)
+    # QuantLinear: in integers with VNNI (the row kernel, or quant_gemm past its rows), else on fp32 tiles (no rounding)
     want = exact if lin.is_small(x) else F.linear(x, ref, bias)
     torch.testing.assert_close(lin.plus(x, other), want + other, atol=2e-4, rtol=0)
     torch.testing.assert_close(lin.swiglu(x), F.silu(want[:, : n // 2]) * want[:, n // 2:], atol=2e-4, rtol=0)
@@ -161,8 +162,8 @@ def test_many_rows_gemm(kind, k):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_quant_linear_many_rows_in_integers(kind):
-    """QuantLinear with the kernels: up to INVARIANT_ROWS rows on the row kernel, more on the GEMM, every
-    verb."""
+    """QuantLinear with the kernels: few rows on the row kernel (up to 3; K-quants 8; in a step with drafts up
+    to INVARIANT_ROWS), more on the GEMM, every verb."""
     n, k = 90, _k(kind, 160)
     w, ref = _weight(kind, n, k, seed=5)
     lin = QuantLinear(w, torch.randn(n))
@@ -172,7 +173,9 @@ def test_quant_linear_many_rows_in_integers(kind):
     for rows in (2, 3, INVARIANT_ROWS, INVARIANT_ROWS + 1, 33):
         g = torch.Generator().manual_seed(rows)
         x, other = torch.randn(rows, k, generator=g), torch.randn(rows, n, generator=g)
-        assert lin.path(x) == ("rows" if rows <= INVARIANT_ROWS else "gemm")
+        assert lin.path(x) == ("rows" if rows <= lin.row_rows else "gemm")
+        with drafted_step(True):
+            assert lin.path(x) == ("rows" if rows <= INVARIANT_ROWS else "gemm")
         xr, _ = _round_activations(x, kind)
         want = (xr.double() @ ref.double().T + lin.bias.double()).float()
         torch.testing.assert_close(lin(x), want, atol=2e-4, rtol=0)

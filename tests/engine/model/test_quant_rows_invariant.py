@@ -13,7 +13,7 @@ from test_quant_linear import KINDS, _k, _round_activations, _weight  # puts tes
 from engine.loader.gguf_tensors import KIND_IDS
 from engine.model.kernels import build as kernels
 from engine.model.native.quant import QuantLinear
-from engine.model.native.rows import INVARIANT_ROWS
+from engine.model.native.rows import INVARIANT_ROWS, drafted_step
 
 N = 70  # two 32-row GEMM tasks and a partial one (swiglu: 35 = 16 + 16 + 3)
 # long enough that the GEMM's and the row kernel's fp32 sums part (the 32-weight kinds: 33 blocks, a
@@ -44,7 +44,13 @@ VERBS = {"call": lambda lin, x, o: lin(x), "plus": lambda lin, x, o: lin.plus(x,
 
 
 def _assert_rows_as_alone(lin, x, other) -> None:
-    """For each verb: every row of each call of the first m rows (m = 1 .. all) equals that row alone."""
+    """In a step with drafts, for each verb: every row of each call of the first m rows (m = 1 .. all) equals
+    that row alone."""
+    with drafted_step(True):
+        _rows_as_alone(lin, x, other)
+
+
+def _rows_as_alone(lin, x, other) -> None:
     for name, verb in VERBS.items():
         alone = [verb(lin, x[i:i + 1].clone(), other[i:i + 1].clone()) for i in range(x.shape[0])]
         for m in range(1, x.shape[0] + 1):
@@ -60,7 +66,10 @@ def test_quant_linear_rows_as_alone(kind):
     lin, _, x, other = _case(kind, INVARIANT_ROWS)
     _assert_rows_as_alone(lin, x, other)
     if torch.ops.cellserve.quant_linear_fast():
-        assert lin.path(x) == "rows" and lin.path(torch.cat([x, x[:1]])) == "gemm"
+        with drafted_step(True):
+            assert lin.path(x) == "rows" and lin.path(torch.cat([x, x[:1]])) == "gemm"
+        # a step without drafts keeps the faster GEMM past the row kernel's own crossover
+        assert lin.path(x[: lin.row_rows]) == "rows" and lin.path(x[: lin.row_rows + 1]) == "gemm"
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
@@ -143,7 +152,7 @@ def test_gguf_drafted_rows_give_the_decode_rows_logits(qtype, tmp_path):
     together.run({5: (other, 0)})
     together.run({0: (prefix, 0)})
     step = flatten_step({0: (drafts, len(prefix)), 5: ([prompt(1, 4)[0]], len(other))})
-    step.logits_indices = torch.arange(len(drafts))
+    step.logits_indices, step.drafts = torch.arange(len(drafts)), True
     verified = together.forward(step)
     for i, row in enumerate(decoded):
         assert torch.equal(verified[i], row), f"drafted row {i}: max difference {(verified[i] - row).abs().max()}"

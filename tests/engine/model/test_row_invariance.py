@@ -35,7 +35,7 @@ def test_a_chunk_of_drafted_rows_gives_the_decode_rows_logits(kv_cache_dtype):
     together.run({5: (other, 0)})  # another sequence takes the first cells: this one's lie elsewhere
     together.run({0: (prefix, 0)})
     step = flatten_step({0: (drafts, len(prefix)), 5: ([_prompt(1, 4)[0]], len(other))})
-    step.logits_indices = torch.arange(len(drafts))
+    step.logits_indices, step.drafts = torch.arange(len(drafts)), True
     verified = together.forward(step)
     for i, row in enumerate(decoded):
         assert torch.equal(verified[i], row), f"drafted row {i}: max difference {(verified[i] - row).abs().max()}"

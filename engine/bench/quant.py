@@ -4,7 +4,7 @@
                                  [--seqs 8,32] [--prefill 8x128] [--paths quantized,tiles,bfloat16,float32]
 
 For each path (`quantized`: the file's own blocks, engine/model/native/quant.py, many rows on the
-integer GEMM; `tiles`: the same blocks with the GEMM off (`QuantLinear.gemm = False`: more than 8 rows
+integer GEMM; `tiles`: the same blocks with the GEMM off (`QuantLinear.gemm = False`: past the row kernel's rows, 3 (K-quants 8)
 through fp32 tiles + torch.mm, the path before it), the A/B baseline; `bfloat16` and `float32`: the
 converted folders) and each thread count: one-sequence decode tok/s (a 64-token prompt, then
 `--max-tokens` greedy tokens, EOS ignored; the decode rate from the first token to the last, the

@@ -211,7 +211,9 @@ class Engine:
         sample_chunks = [c for c in chunks if c.completes and c.seq.wants_logits]
         prompt_rows = plp_rows(chunks)
         try:
+            started = time.perf_counter()
             logits = self.runner.forward(_flatten(chunks, sample_chunks, prompt_rows))
+            self._observe_cost(chunks, time.perf_counter() - started)
         except Exception as exc:  # one bad step fails its requests, never the engine
             log.exception("forward failed; failing the %d sequences of this step", len(chunks))
             self.outputs.fail_step(chunks, exc, outputs)
@@ -241,6 +243,11 @@ class Engine:
         return self._settle(outputs)
 
     # ----- internals -------------------------------------------------------------------------
+    def _observe_cost(self, chunks: list[Chunk], seconds: float) -> None:
+        """A decode-only step's time by its row count: what tells "auto" how long a draft pays here."""
+        if self.speculative is not None and all(c.n_tokens == 1 for c in chunks):
+            self.speculative.costs.observe(sum(1 + len(c.draft) for c in chunks), seconds)
+
     def _drafter(self, draft: ModelRunner | None) -> DraftModel | None:
         """The draft model's driver, its pool following the scheduler's cells (Scheduler.mirror)."""
         if draft is None:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from engine.api.outputs import PromptLogprobs, RequestOutput, Timing
 from engine.api.sampling_params import SamplingParams
+from engine.core.draft_cost import PRIOR_KEPT, PRIOR_MISSED
 
 if TYPE_CHECKING:  # annotations only: torch, the detokenizer and the grammar stay out of the server's imports
     import torch
@@ -61,6 +62,8 @@ class Sequence:
     draft_len: int = 0  # how many tokens its next draft may hold (0: the engine's maximum); adapts to acceptance
     draft_pause: int = 0  # ticks to go without drafting ("auto" backs off after drafts wholly rejected)
     draft_misses: int = 0  # wholly rejected drafts in a row
+    drafts_kept: float = PRIOR_KEPT  # decayed counts of drafted tokens kept and of misses that ended drafts
+    drafts_missed: float = PRIOR_MISSED  # (engine/core/draft_cost.py: what draft length pays)
 
     @property
     def pending(self) -> int:

@@ -44,6 +44,7 @@ from collections.abc import Callable
 import torch
 
 from engine.api.outputs import CompletionOutput, TokenLogprob
+from engine.core.draft_cost import DECAY, StepCosts, kept_rate
 from engine.core.output_processor import OutputProcessor
 from engine.core.scheduler import Chunk, Scheduler
 from engine.core.sequence import Request, Sequence
@@ -56,7 +57,8 @@ NGRAM_MIN = 1
 # "auto" drafts only while at most this many sequences decode: there one step streams every weight once
 # for few rows, so drafted rows ride almost free; with more, a step is compute-bound and drafts cost.
 AUTO_MAX_DECODING = 4
-# "auto" also backs off a sequence whose drafts keep missing (text with little to copy): after each wholly
+# "auto" drafts no longer than pays on this machine's measured step costs (engine/core/draft_cost.py), and
+# it also backs off a sequence whose drafts keep missing (text with little to copy): after each wholly
 # rejected draft it decodes alone for 2, 4, 8 ... up to this many ticks (one row is the fastest step).
 AUTO_MAX_PAUSE = 64
 
@@ -102,6 +104,7 @@ class SpeculativeDecoder:
         self.persistent, self.drafter = persistent, drafter
         self.k, self.max_model_len, self.always = k, max_model_len, always
         self.drafted = self.accepted = 0  # tokens proposed / kept, for reports
+        self.costs = StepCosts()  # decode-only step times per row count (the engine reports them)
 
     def propose(self) -> None:
         """Give every eligible running sequence a draft (the scheduler may still drop it for room); with
@@ -142,8 +145,14 @@ class SpeculativeDecoder:
                 and seq.cache_target() - seq.n_cached == 1 and not req.children_pending)
 
     def _room(self, seq: Sequence) -> int:
-        return min(seq.draft_len or self.k, seq.params.max_tokens - seq.num_generated - 1,
+        """How many tokens the sequence may draft this tick: its adaptive length, within max_tokens and the
+        context; under "auto" also no longer than pays on this machine's measured step costs (draft_cost.py)."""
+        room = min(seq.draft_len or self.k, seq.params.max_tokens - seq.num_generated - 1,
                    self.max_model_len - len(seq.token_ids) - 1)
+        if self.always or room <= 1:
+            return room
+        a = kept_rate(seq.drafts_kept, seq.drafts_missed)
+        return self.costs.best_length(len(self.scheduler.running), a, room)
 
     def _draft_for(self, seq: Sequence, room: int) -> list[int]:
         followed = self._followed(seq)
@@ -199,6 +208,8 @@ class SpeculativeDecoder:
             # else it shrinks to what was kept, plus one
             seq.draft_len = min(self.k, max(2 * len(c.draft), seq.draft_len or self.k)) if drafts_kept == len(c.draft) else drafts_kept + 1
             seq.draft_misses = 0 if drafts_kept else seq.draft_misses + 1
+            seq.drafts_kept = DECAY * seq.drafts_kept + drafts_kept
+            seq.drafts_missed = DECAY * seq.drafts_missed + (drafts_kept < len(c.draft))
             seq.draft_pause = min(AUTO_MAX_PAUSE, 2 ** seq.draft_misses) if seq.draft_misses else 0
             self._trim(seq, start + drafts_kept, start + len(c.draft))
             seq.draft, seq.draft_q = [], None

@@ -1,0 +1,65 @@
+"""StepCosts (engine/core/draft_cost.py): the draft length "auto" allows from measured step costs and acceptance."""
+
+import pytest
+from engine_support import greedy, make_engine, prompt, run_requests, scripted_model, shared_tokenizer
+
+from engine.api.sampling_params import SamplingParams
+from engine.core.draft_cost import StepCosts, expected_tokens, kept_rate
+
+# one sequence's decode steps at 1, 2, 3, 5 and 9 rows, ms, one thread (the Q4_1 file's integer row kernel;
+# bf16 on AMX), measured with a 500-token context
+Q4_1 = {1: 15.3, 2: 20.1, 3: 25.6, 5: 35.2, 9: 61.7}
+BF16_AMX = {1: 23.6, 2: 28.5, 3: 30.5, 5: 35.5, 9: 48.0}
+
+
+def _costs(table: dict[int, float]) -> StepCosts:
+    costs = StepCosts()
+    for rows, ms in table.items():
+        costs.observe(rows, ms / 1e3)
+    return costs
+
+
+def test_costs_interpolate_and_stay_optimistic_past_what_was_seen():
+    costs = _costs({1: 10.0, 5: 30.0})
+    assert costs.cost(3) == pytest.approx(0.020) and costs.cost(9) == pytest.approx(0.030)
+    assert StepCosts().cost(4) is None and _costs({5: 30.0}).cost(2) == pytest.approx(0.030)
+    costs.observe(5, 0.040)  # an EMA: the newest step moves it a fifth of the way
+    assert costs.cost(5) == pytest.approx(0.032)
+
+
+def test_expected_tokens_and_acceptance():
+    assert expected_tokens(1.0, 8) == 9 and expected_tokens(0.0, 8) == 1
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+    assert kept_rate(4, 1) == pytest.approx(0.8) and kept_rate(0, 0) == 0
+
+
+def test_the_best_length_follows_what_rows_cost():
+    assert _costs(Q4_1).best_length(1, 0.85, 8) == 4  # dear rows: 4 tokens pay best
+    assert _costs(BF16_AMX).best_length(1, 0.85, 8) == 6  # cheaper rows: longer drafts
+    assert _costs(BF16_AMX).best_length(1, 0.99, 8) == 8 and _costs(Q4_1).best_length(1, 0.99, 8) == 7
+    assert _costs(Q4_1).best_length(1, 0.3, 8) == 1  # drafts that mostly miss: one token
+    assert StepCosts().best_length(1, 0.5, 8) == 8  # nothing measured yet: try the longest
+
+
+def test_auto_learns_step_costs_and_caps_drafts_by_them(model):
+    """A scripted model walks a cycle, so "auto" drafts and its drafts are kept: both one-row decode steps and
+    verification steps get timed. Then, with a cost curve given, the room a sequence gets follows it."""
+    tok = shared_tokenizer()
+    cycle = list(range(10, 20))
+    walker = scripted_model(tok, {t: cycle[(i + 1) % len(cycle)] for i, t in enumerate(cycle)})
+    engine = make_engine(model=walker, tokenizer=tok, speculative="auto")
+    run_requests(engine, [cycle * 3], greedy(24))
+    assert engine.speculative.accepted > 0
+    seen = engine.speculative.costs.seconds  # decode steps: 1 row, or 1 + a doubling draft's 1, 2, 4, 8
+    assert seen and set(seen) <= {1, 2, 3, 5, 9} and max(seen) > 1
+    engine = make_engine(model=model, speculative="auto")
+    engine.speculative.costs = _costs(Q4_1)
+    engine.add_request("r", prompt(7, 2) * 5, SamplingParams(max_tokens=30, temperature=0), lambda out: None)
+    engine.step()  # the prefill
+    seq = engine.scheduler.running[0]
+    seq.drafts_kept, seq.drafts_missed = 8.5, 1.5  # 85% kept
+    assert engine.speculative._room(seq) == 4
+    engine.speculative.costs = _costs(BF16_AMX)
+    assert engine.speculative._room(seq) == 6
+    seq.drafts_kept, seq.drafts_missed = 99, 1
+    assert engine.speculative._room(seq) == engine.speculative.k

@@ -128,10 +128,10 @@ def test_gguf_drafted_rows_give_the_decode_rows_logits(qtype, tmp_path):
     next tokens decoded one step at a time give logits bitwise equal to their rows in one verification-like
     step of 9 drafted rows beside another sequence's decode row (10 rows: the old GEMM path from 4 or 9)."""
     import gguf
+    from test_row_invariance import assert_drafted_rows_match_decode
     from tiny_gguf import q4_k_m, tiny_llama, write_llama_gguf
 
     from engine.loader.source import resolve_model
-    from engine.model.flat_step import flatten_step
     from engine.model.runner import ModelRunner
 
     if not torch.ops.cellserve.quant_linear_fast():
@@ -144,15 +144,4 @@ def test_gguf_drafted_rows_give_the_decode_rows_logits(qtype, tmp_path):
     def prompt(n, seed):
         return torch.randint(3, 4000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
-    prefix, drafts, other = prompt(40, 1), prompt(9, 2), prompt(7, 3)
-    alone = ModelRunner.from_pretrained(folder, n_cells=256)
-    alone.run({0: (prefix, 0)})
-    decoded = [alone.run({0: ([t], len(prefix) + i)})[0] for i, t in enumerate(drafts)]
-    together = ModelRunner.from_pretrained(folder, n_cells=256)
-    together.run({5: (other, 0)})
-    together.run({0: (prefix, 0)})
-    step = flatten_step({0: (drafts, len(prefix)), 5: ([prompt(1, 4)[0]], len(other))})
-    step.logits_indices, step.drafts = torch.arange(len(drafts)), True
-    verified = together.forward(step)
-    for i, row in enumerate(decoded):
-        assert torch.equal(verified[i], row), f"drafted row {i}: max difference {(verified[i] - row).abs().max()}"
+    assert_drafted_rows_match_decode(lambda: ModelRunner.from_pretrained(folder, n_cells=256), prompt)

@@ -19,23 +19,28 @@ def _prompt(n, seed):
     return torch.randint(3, 100, (n,), generator=g).tolist()
 
 
+def assert_drafted_rows_match_decode(make_runner, prompt) -> None:
+    """A sequence's next 9 tokens decoded one step at a time (runners from `make_runner()`) give logits bitwise
+    equal to their rows in one step that verifies them as drafts beside another sequence's decode row, this
+    sequence's cells lying elsewhere in the pool. `prompt(n, seed)`: n token ids."""
+    prefix, drafts, other = prompt(40, 1), prompt(9, 2), prompt(7, 3)
+    alone = make_runner()
+    alone.run({0: (prefix, 0)})
+    decoded = [alone.run({0: ([t], len(prefix) + i)})[0] for i, t in enumerate(drafts)]
+    together = make_runner()
+    together.run({5: (other, 0)})  # another sequence takes the first cells: this one's lie elsewhere
+    together.run({0: (prefix, 0)})
+    step = flatten_step({0: (drafts, len(prefix)), 5: ([prompt(1, 4)[0]], len(other))})
+    step.logits_indices, step.drafts = torch.arange(len(drafts)), True
+    verified = together.forward(step)
+    for i, row in enumerate(decoded):
+        assert torch.equal(verified[i], row), f"drafted row {i}: max difference {(verified[i] - row).abs().max()}"
+
+
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 def test_a_chunk_of_drafted_rows_gives_the_decode_rows_logits(kv_cache_dtype):
     if not amx_available():
         pytest.skip("bf16 row invariance needs AMX (amx_linear_fast() is False)")
     assert kernels.load(), kernels.why_not()
     model = tiny_model("llama_gqa").to(torch.bfloat16)
-    prefix, drafts, other = _prompt(40, 1), _prompt(9, 2), _prompt(7, 3)
-
-    alone = ModelRunner(model, n_cells=256, kv_cache_dtype=kv_cache_dtype)
-    alone.run({0: (prefix, 0)})
-    decoded = [alone.run({0: ([t], len(prefix) + i)})[0] for i, t in enumerate(drafts)]
-
-    together = ModelRunner(model, n_cells=256, kv_cache_dtype=kv_cache_dtype)
-    together.run({5: (other, 0)})  # another sequence takes the first cells: this one's lie elsewhere
-    together.run({0: (prefix, 0)})
-    step = flatten_step({0: (drafts, len(prefix)), 5: ([_prompt(1, 4)[0]], len(other))})
-    step.logits_indices, step.drafts = torch.arange(len(drafts)), True
-    verified = together.forward(step)
-    for i, row in enumerate(decoded):
-        assert torch.equal(verified[i], row), f"drafted row {i}: max difference {(verified[i] - row).abs().max()}"
+    assert_drafted_rows_match_decode(lambda: ModelRunner(model, n_cells=256, kv_cache_dtype=kv_cache_dtype), _prompt)

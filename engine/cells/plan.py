@@ -60,10 +60,6 @@ def gather_rows(visible: torch.Tensor, key_pos: torch.Tensor | None = None) -> R
     order when the columns' positions `key_pos` are given (a row sees one cell per position, so that order
     does not depend on where the pool put the cells: what keeps a row's attention sums in the same order
     whichever step computes it, engine/model/native/rows.py)."""
-    if key_pos is not None:
-        order = torch.argsort(key_pos.cpu(), stable=True)
-        by_pos = gather_rows(visible[:, order])
-        return RowGather(order[by_pos.idx], by_pos.valid)
     counts = visible.sum(1)
     width = int(counts.max())
     rows, cols = visible.nonzero(as_tuple=True)
@@ -71,7 +67,15 @@ def gather_rows(visible: torch.Tensor, key_pos: torch.Tensor | None = None) -> R
     idx = torch.zeros(visible.shape[0], width, dtype=torch.int64)
     idx[rows, rank] = cols
     valid = torch.arange(width)[None, :] < counts[:, None]
-    return RowGather(idx, valid)
+    if key_pos is None:
+        return RowGather(idx, valid)
+    # each row's own columns sorted, not the whole window: a row sees its context, the window can be the pool;
+    # and usually the pool already holds a sequence's cells in position order (no sort at all then)
+    keys = key_pos.cpu()[idx].masked_fill_(~valid, torch.iinfo(torch.int64).max)
+    if bool((keys[:, 1:] >= keys[:, :-1]).all()):
+        return RowGather(idx, valid)
+    order = keys.argsort(dim=1, stable=True)
+    return RowGather(idx.gather(1, order), valid.gather(1, order))
 
 
 def windowed(plan: StepPlan, window: int | None) -> torch.Tensor:

@@ -65,10 +65,11 @@ def test_regen_forks_at_the_answer_and_regenerates_it_with_the_parent_as_draft(m
             assert regen.fork_latency is not None and regen.prompt_tokens == answer.prompt_tokens
         digests[spec] = [r.output_digest for r in recs]
         regens = [r for r in recs if r.kind == "regen"]
-        if spec == "auto":  # the old answer drafts the regenerate whole: no draft token rejected, and every token
-            # but the first tick's and the one each drafted tick adds after its draft (8 at most: 3 ticks) was drafted
-            assert all(r.rejected_draft_tokens == 0 and r.accepted_draft_tokens >= 24 - 1 - 4 for r in regens)
-            assert accepted >= 3 * 23 and drafted > 0
+        if spec == "auto":  # the old answer drafts the regenerate: no draft token rejected, and at least every other
+            # token drafted (a drafted tick adds one token after its draft; how long the drafts are follows the step
+            # costs this machine measured, engine/core/draft_cost.py, so the tick count is not fixed)
+            assert all(r.rejected_draft_tokens == 0 and r.accepted_draft_tokens >= 11 for r in regens)
+            assert accepted >= 3 * 11 and drafted > 0
         else:
             assert drafted == accepted == 0 and all(r.accepted_draft_tokens is None for r in regens)
     assert digests["auto"] == digests["off"]  # drafts change no output

@@ -50,8 +50,8 @@ def test_auto_learns_step_costs_and_caps_drafts_by_them(model):
     engine = make_engine(model=walker, tokenizer=tok, speculative="auto")
     run_requests(engine, [cycle * 3], greedy(24))
     assert engine.speculative.accepted > 0
-    seen = engine.speculative.costs.seconds  # decode steps: 1 row, or 1 + a doubling draft's 1, 2, 4, 8
-    assert seen and set(seen) <= {1, 2, 3, 5, 9} and max(seen) > 1
+    seen = engine.speculative.costs.seconds  # decode steps: 1 row, or 1 + a draft of at most k = 8 tokens
+    assert seen and set(seen) <= set(range(1, 10)) and max(seen) > 1
     engine = make_engine(model=model, speculative="auto")
     engine.speculative.costs = _costs(Q4_1)
     engine.add_request("r", prompt(7, 2) * 5, SamplingParams(max_tokens=30, temperature=0), lambda out: None)

@@ -292,7 +292,10 @@ inline void rows_out(const Weight& w, int64_t rows, const float* bias, const flo
     // one row (decode) streams one weight row at a time: two were slower there (q8_0 2048x8192: 0.70 -> 0.85 ms)
     const bool share = rows > 1;
     at::parallel_for(0, n_out, 16, [&](int64_t n0, int64_t n1) {
-      std::vector<float> s(2 * rows);
+      // per-thread scratch kept between calls, as the attention kernel's: no malloc in an OpenMP worker (its
+      // arena would hold freed pages), none at all once the widest call has run
+      thread_local std::vector<float> s;
+      s.resize(static_cast<size_t>(2 * rows));
       for (int64_t n = n0; n < n1; n += swiglu || !share ? 1 : 2) {
         const int nw = swiglu || (share && n + 1 < n1) ? 2 : 1;
         const Row rs[2] = {row_of(w, n), row_of(w, swiglu ? n + n_out : n + nw - 1)};

@@ -46,6 +46,7 @@ import torch.nn.functional as F
 
 from engine.loader.gguf_tensors import BLOCK_WEIGHTS, KIND_IDS, QuantWeight
 from engine.model.native.linear import Linear
+from engine.model.native.quant_tiles import TiledWeight, tileable
 from engine.model.native.rows import must_match_alone
 
 TILE_BYTES = 8 << 20  # float32 bytes of weight unpacked at once on the fp32-tile path
@@ -66,8 +67,10 @@ def _kernels() -> bool:
 class QuantLinear:
     """`y = x @ W.T + b` (float32) for a block-quantized W; `swiglu` for W = [gate; up]."""
 
-    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None):
-        self.weight = weight
+    def __init__(self, weight: QuantWeight, bias: torch.Tensor | None = None, parts: int = 1):
+        # the 32-weight kinds are kept in quant_tiles' 16-row tiles (the one copy; `parts` = 2 for [gate; up])
+        self.tiled = tileable(weight)
+        self.weight = TiledWeight.of(weight, parts) if self.tiled else weight
         self.kind = KIND_IDS[weight.kind]
         self.bias = None if bias is None else bias.detach().float().contiguous()
         self.out_features, self.in_features = weight.shape
@@ -81,8 +84,8 @@ class QuantLinear:
         return self.weight.nbytes + (0 if self.bias is None else self.bias.numel() * 4)
 
     def path(self, x: torch.Tensor) -> str:
-        """Which kernel this call runs: "rows" (quant_linear), "gemm" (quant_gemm), "bf16" (bf16 tiles)
-        or "fp32" (fp32 tiles); see the module's docstring."""
+        """Which kernel this call runs: "tiles" (quant_tiles, the 32-weight kinds), "rows" (quant_linear),
+        "gemm" (quant_gemm), "bf16" (bf16 tiles) or "fp32" (fp32 tiles); see the module's docstring."""
         rows = x.shape[0]
         if not (self.small and _kernels()):
             return "fp32"
@@ -92,20 +95,27 @@ class QuantLinear:
         if not integers:  # the row kernel in plain C: fp32 tiles instead, as before
             return "fp32"
         if rows <= self.row_rows or must_match_alone(rows):
-            return "rows"
-        return "gemm" if self.gemm else "fp32"
+            return "tiles" if self.tiled else "rows"
+        if not self.gemm:
+            return "fp32"
+        return "tiles" if self.tiled else "gemm"  # quant_tiles: each row as alone at every row count
 
     def is_small(self, x: torch.Tensor) -> bool:
-        """Whether this call runs in integers (on the row kernel or the GEMM)."""
-        return self.path(x) in ("rows", "gemm")
+        """Whether this call runs in integers (quant_tiles, the row kernel or the GEMM)."""
+        return self.path(x) in ("tiles", "rows", "gemm")
 
     def _small(self, x, other, op) -> torch.Tensor:
-        w = self.weight
-        kernel = torch.ops.cellserve.quant_gemm if self.path(x) == "gemm" else torch.ops.cellserve.quant_linear
-        return kernel(x.float().contiguous(), w.tensors(), self.kind, self.bias, other, op)
+        w, x = self.weight, x.float().contiguous()
+        path = self.path(x)
+        if path == "tiles":
+            return torch.ops.cellserve.quant_tiles(x, w.tensors(), self.kind, w.n, w.parts, self.bias, other, op)
+        kernel = torch.ops.cellserve.quant_gemm if path == "gemm" else torch.ops.cellserve.quant_linear
+        return kernel(x, w.tensors(), self.kind, self.bias, other, op)
 
     def _tile(self, r0: int, r1: int, bf16: bool) -> torch.Tensor:
         w = self.weight
+        if self.tiled:  # those rows in the row layout the dequantizing kernels read
+            w, r0, r1 = w.untile(r0, r1), 0, r1 - r0
         if bf16:
             return torch.ops.cellserve.quant_dequant_bf16(w.tensors(), self.kind, r0, r1)
         if self.small and _kernels():
@@ -150,9 +160,10 @@ class QuantLinear:
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """`silu(x @ G.T + bg) * (x @ U.T + bu)` for W = [G; U]."""
-        if self.is_small(x):
+        whole_halves = not self.tiled or self.weight.parts == 2 or self.out_features % 32 == 0
+        if self.is_small(x) and whole_halves:
             return self._small(x, None, "swiglu")
-        y = self._dense(x)
+        y = self(x)
         n = self.out_features // 2
         return F.silu(y[:, :n]).mul_(y[:, n:])
 
@@ -173,9 +184,10 @@ def _fast() -> tuple[bool, bool]:
 
 
 class QuantEmbedding:
-    """Token rows of a block-quantized [vocab, hidden] table, dequantized per lookup (float32)."""
+    """Token rows of a block-quantized [vocab, hidden] table, dequantized per lookup (float32); a tied
+    table is the LM head's weight, in tiles where the head keeps it so (`TiledWeight.rows`)."""
 
-    def __init__(self, weight: QuantWeight):
+    def __init__(self, weight: "QuantWeight | TiledWeight"):
         self.weight = weight
 
     def __call__(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -255,12 +267,12 @@ def _kind_of(p) -> str:
     return p.kind if isinstance(p, QuantWeight) else str(p.dtype)
 
 
-def linear_of(parts: list, bias: torch.Tensor | None = None) -> "QuantLinear | GroupLinear":
+def linear_of(parts: list, bias: torch.Tensor | None = None, swiglu: bool = False) -> "QuantLinear | GroupLinear":
     """One linear over the stacked rows of `parts` (QuantWeights and/or float tensors): a QuantLinear
     when they are all quantized in one kind, else a `GroupLinear` of one linear per run of one kind
     (QuantLinear; float32 `Linear` for float32 tensors; `CastLinear` for bfloat16 ones)."""
     if all(isinstance(p, QuantWeight) for p in parts) and len({p.kind for p in parts}) == 1:
-        return QuantLinear(QuantWeight.cat(parts), bias)
+        return QuantLinear(QuantWeight.cat(parts), bias, len(parts) if swiglu else 1)
     runs: list[list] = []
     for p in parts:
         if runs and _kind_of(runs[-1][-1]) == _kind_of(p):
@@ -305,7 +317,7 @@ def weight_bytes(native) -> int:
     seen: dict[int, int] = {}
 
     def add(t) -> None:
-        if isinstance(t, QuantWeight):
+        if isinstance(t, (QuantWeight, TiledWeight)):
             for a in t.fields():
                 add(a)
         elif isinstance(t, torch.Tensor) and t.layout == torch.strided:
@@ -346,7 +358,7 @@ def layer_weights(tensors: dict, i: int) -> dict:
            "qkv": linear_of(qkv, cat_biases(t, [f"attn_{p}.bias" for p in "qkv"], [_rows(w) for w in qkv])),
            "o": linear_of([t["attn_output.weight"]], t.get("attn_output.bias")),
            "down": linear_of([t["ffn_down.weight"]], t.get("ffn_down.bias"))}
-    gate_up = linear_of([t["ffn_gate.weight"], t["ffn_up.weight"]])  # both have `swiglu`
+    gate_up = linear_of([t["ffn_gate.weight"], t["ffn_up.weight"]], swiglu=True)  # both have `swiglu`
     return out | {"gate_up": gate_up, "gate": gate_up, "up": gate_up}
 
 
@@ -355,14 +367,14 @@ def model_weights(tensors: dict) -> tuple:
     reads the embedding's own blocks."""
     embed = tensors["token_embd.weight"]
     head = tensors.get("output.weight", embed)
-    if isinstance(embed, QuantWeight):
-        table = QuantEmbedding(embed)
-    else:
-        table = embed if embed.dtype == torch.float32 else CastEmbedding(embed)
     if isinstance(head, QuantWeight):
         lm_head = QuantLinear(head)
     else:
         lm_head = Linear([head], gemv=True) if head.dtype == torch.float32 else CastLinear([head])
+    if isinstance(embed, QuantWeight):  # a tied table reads the head's weight (it may be tiled): one copy
+        table = QuantEmbedding(lm_head.weight if head is embed else embed)
+    else:
+        table = embed if embed.dtype == torch.float32 else CastEmbedding(embed)
     return table, tensors["output_norm.weight"], lm_head
 
 

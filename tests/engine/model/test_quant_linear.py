@@ -162,8 +162,8 @@ def test_many_rows_gemm(kind, k):
 
 @pytest.mark.parametrize("kind", list(KINDS))
 def test_quant_linear_many_rows_in_integers(kind):
-    """QuantLinear with the kernels: few rows on the row kernel (up to 3; K-quants 8; in a step with drafts up
-    to INVARIANT_ROWS), more on the GEMM, every verb."""
+    """QuantLinear with the kernels: the 32-weight kinds on quant_tiles at every row count; the K-quants on the
+    row kernel up to 8 rows (in a step with drafts up to INVARIANT_ROWS), more on the GEMM; every verb."""
     n, k = 90, _k(kind, 160)
     w, ref = _weight(kind, n, k, seed=5)
     lin = QuantLinear(w, torch.randn(n))
@@ -173,9 +173,10 @@ def test_quant_linear_many_rows_in_integers(kind):
     for rows in (2, 3, INVARIANT_ROWS, INVARIANT_ROWS + 1, 33):
         g = torch.Generator().manual_seed(rows)
         x, other = torch.randn(rows, k, generator=g), torch.randn(rows, n, generator=g)
-        assert lin.path(x) == ("rows" if rows <= lin.row_rows else "gemm")
+        # the 32-weight kinds: quant_tiles at every row count (row-invariant everywhere)
+        assert lin.path(x) == ("tiles" if lin.tiled else "rows" if rows <= lin.row_rows else "gemm")
         with drafted_step(True):
-            assert lin.path(x) == ("rows" if rows <= INVARIANT_ROWS else "gemm")
+            assert lin.path(x) == ("tiles" if lin.tiled else "rows" if rows <= INVARIANT_ROWS else "gemm")
         xr, _ = _round_activations(x, kind)
         want = (xr.double() @ ref.double().T + lin.bias.double()).float()
         torch.testing.assert_close(lin(x), want, atol=2e-4, rtol=0)

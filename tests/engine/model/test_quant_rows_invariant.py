@@ -13,11 +13,12 @@ from test_quant_linear import KINDS, _k, _round_activations, _weight  # puts tes
 from engine.loader.gguf_tensors import KIND_IDS
 from engine.model.kernels import build as kernels
 from engine.model.native.quant import QuantLinear
+from engine.model.native.quant_tiles import TILED_KINDS
 from engine.model.native.rows import INVARIANT_ROWS, drafted_step
 
 N = 70  # two 32-row GEMM tasks and a partial one (swiglu: 35 = 16 + 16 + 3)
 # long enough that the GEMM's and the row kernel's fp32 sums part (the 32-weight kinds: 33 blocks, a
-# lone one at the end; the K-quants: 5 super-blocks)
+# lone one at the end, so the row layout's kernels, not quant_tiles; the K-quants: 5 super-blocks)
 K = {kind: 1056 if kind not in ("q4_k", "q5_k", "q6_k") else _k(kind, 160) for kind in KINDS}
 
 
@@ -26,11 +27,12 @@ def built():
     assert kernels.load(), kernels.why_not()
 
 
-def _case(kind: str, rows: int, seed: int = 0):
+def _case(kind: str, rows: int, seed: int = 0, k: int | None = None):
     """A linear with a bias, `rows` rows of x at several scales (one all-zero block) and `other`."""
-    w, ref = _weight(kind, N, K[kind], seed=seed)
+    k = k or K[kind]
+    w, ref = _weight(kind, N, k, seed=seed)
     g = torch.Generator().manual_seed(seed + rows)
-    x = torch.randn(rows, K[kind], generator=g) * (0.1 + torch.rand(rows, 1, generator=g) * 8)
+    x = torch.randn(rows, k, generator=g) * (0.1 + torch.rand(rows, 1, generator=g) * 8)
     x[0, 32:64] = 0
     bias, other = torch.randn(N, generator=g), torch.randn(rows, N, generator=g)
     lin = QuantLinear(w, bias)
@@ -50,8 +52,9 @@ def _assert_rows_as_alone(lin, x, other) -> None:
         _rows_as_alone(lin, x, other)
 
 
-def _rows_as_alone(lin, x, other) -> None:
-    for name, verb in VERBS.items():
+def _rows_as_alone(lin, x, other, verbs=tuple(VERBS)) -> None:
+    for name in verbs:
+        verb = VERBS[name]
         alone = [verb(lin, x[i:i + 1].clone(), other[i:i + 1].clone()) for i in range(x.shape[0])]
         for m in range(1, x.shape[0] + 1):
             y = verb(lin, x[:m].contiguous(), other[:m].contiguous())
@@ -59,13 +62,20 @@ def _rows_as_alone(lin, x, other) -> None:
                 assert torch.equal(y[i:i + 1], alone[i]), f"{name}: row {i} of {m} differs from the row alone"
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
-def test_quant_linear_rows_as_alone(kind):
+@pytest.mark.parametrize("kind,k", [(kind, K[kind]) for kind in KINDS] + [(kind, 1024) for kind in TILED_KINDS])
+def test_quant_linear_rows_as_alone(kind, k):
     """QuantLinear with the kernels, 1 to INVARIANT_ROWS rows, every verb, with a bias: each row bitwise
-    as alone (the row kernel with VNNI; fp32 tiles without)."""
-    lin, _, x, other = _case(kind, INVARIANT_ROWS)
+    as alone (with VNNI quant_tiles where the weight is tiled (K = 1024), else the row kernel; fp32 tiles
+    without)."""
+    lin, _, x, other = _case(kind, INVARIANT_ROWS, k=k)
+    assert lin.tiled == (k == 1024)
     _assert_rows_as_alone(lin, x, other)
-    if torch.ops.cellserve.quant_linear_fast():
+    if torch.ops.cellserve.quant_linear_fast() and lin.tiled:
+        # quant_tiles (the 32-weight kinds) at every row count, in steps with drafts or without (the kernel's
+        # verbs: `silu` and `times` add torch's elementwise ops, row by row only in steps with drafts)
+        assert lin.path(x) == lin.path(torch.cat([x, x])) == "tiles"
+        _rows_as_alone(lin, x, other, verbs=("call", "plus", "swiglu"))
+    elif torch.ops.cellserve.quant_linear_fast():
         with drafted_step(True):
             assert lin.path(x) == "rows" and lin.path(torch.cat([x, x[:1]])) == "gemm"
         # a step without drafts keeps the faster GEMM past the row kernel's own crossover
@@ -91,7 +101,7 @@ def test_row_kernel_groups_rows_as_alone(kind, op):
     """quant_linear itself at any row count (groups of 8 per weight row, then the rest: 8 + 8 + 4 at 20):
     each row as alone, every op, with a bias."""
     lin, _, x, other = _case(kind, 20, seed=2)
-    tensors, kid = lin.weight.tensors(), KIND_IDS[kind]
+    tensors, kid = _weight(kind, N, K[kind], seed=2)[0].tensors(), KIND_IDS[kind]  # the row layout
     n_out = N // 2 if op == "swiglu" else N
     other = other[:, :n_out].contiguous() if op == "add" else None
 

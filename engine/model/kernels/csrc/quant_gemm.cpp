@@ -22,98 +22,13 @@
 
 #include <vector>
 
-#include "quant_blocks.h"
+#include "quant_gemm.h"
 
 namespace {
 
 using namespace cq;
 
 #ifdef CELLSERVE_QUANT_VNNI
-constexpr int kR = 4;   // rows of x a micro-kernel call holds in registers
-constexpr int kNC = 2;  // column vectors (16 weight rows each) a task unpacks
-constexpr int64_t kKB = 8;  // pairs unpacked at a time: 8 x 2.5-3 KB, so they stay in L1 across the rows
-
-// The scale groups of a pair: lanes sharing one weight scale and one activation block.
-template <int KIND>
-constexpr int kGroups = KIND == Q6_K ? 4 : 2;
-template <int KIND>
-constexpr int group_block(int g) { return KIND == Q6_K ? g % 2 : g; }
-template <int KIND>  // the i-th lane of group g (16 / groups lanes a group)
-constexpr int group_lane(int g, int i) {
-  return KIND == Q8_0 ? 8 * g + i : KIND == Q6_K ? 4 * g + i : (i < 4 ? 4 * g + i : 8 + 4 * g + i - 4);
-}
-
-// x's rows quantized, kR rows at a time (the last tile padded with zero rows), one record a pair:
-// the rows' 64 int8 values in the pair order, then per scale group g and row r: da (the block's scale),
-// ms = da * s and zi = -z * s, s the sum of the group's int8 values. A micro-kernel call reads one
-// contiguous stream of these.
-struct PairActs {
-  int8_t q[kR][64];
-  float da[4][kR], ms[4][kR];
-  int32_t zi[4][kR];
-};
-struct Acts {
-  int64_t pairs, tiles;
-  std::vector<PairActs> v;  // [tile][pair]
-};
-
-// One row: q in the pair order (pair p at q + p * stride); per block da (the K-quants: its super-block's,
-// llama.cpp's q8_K) and the sums of its halves.
-template <int KIND>
-void quantize_row(const float* xr, int64_t nb, int8_t* q, int64_t stride, float* da, int32_t* s16) {
-  constexpr int64_t span = super_blocks(KIND) ? 8 : 1;  // blocks sharing one scale
-  for (int64_t b0 = 0; b0 < nb; b0 += span) {
-    __m512 m = _mm512_setzero_ps();
-    for (int64_t b = b0; b < std::min(nb, b0 + span); ++b)
-      m = _mm512_max_ps(m, _mm512_max_ps(_mm512_abs_ps(_mm512_loadu_ps(xr + b * 32)),
-                                         _mm512_abs_ps(_mm512_loadu_ps(xr + b * 32 + 16))));
-    const float amax = _mm512_reduce_max_ps(m);
-    for (int64_t b = b0; b < std::min(nb, b0 + span); ++b) da[b] = amax / 127.f;
-  }
-  for (int64_t b = 0; b < nb; ++b) {
-    const __m512 x0 = _mm512_loadu_ps(xr + b * 32), x1 = _mm512_loadu_ps(xr + b * 32 + 16);
-    const __m512 inv = _mm512_set1_ps(da[b] != 0.f ? 1.f / da[b] : 0.f);
-    const __m512i q0 = round_away(_mm512_mul_ps(x0, inv)), q1 = round_away(_mm512_mul_ps(x1, inv));
-    s16[2 * b] = _mm512_reduce_add_epi32(q0);
-    s16[2 * b + 1] = _mm512_reduce_add_epi32(q1);
-    int8_t* dst = q + (b / 2) * stride;
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + pair_pos(KIND, b % 2, 0)), _mm512_cvtsepi32_epi8(q0));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + pair_pos(KIND, b % 2, 16)), _mm512_cvtsepi32_epi8(q1));
-  }
-}
-
-template <int KIND>
-Acts quantize_rows(const float* x, int64_t rows, int64_t k) {
-  constexpr int G = kGroups<KIND>;
-  const int64_t nb = k / 32, pairs = (nb + 1) / 2;
-  const int z = zero_point(KIND);
-  Acts a;
-  a.pairs = pairs;
-  a.tiles = (rows + kR - 1) / kR;
-  a.v.assign(a.tiles * pairs, PairActs{});
-  at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
-    std::vector<float> da(nb);
-    std::vector<int32_t> s16(2 * nb);
-    for (int64_t r = r0; r < r1; ++r) {
-      PairActs* rec = a.v.data() + (r / kR) * pairs;
-      const int slot = static_cast<int>(r % kR);
-      quantize_row<KIND>(x + r * k, nb, rec->q[slot], sizeof(PairActs), da.data(), s16.data());
-      for (int64_t p = 0; p < pairs; ++p) {
-        for (int g = 0; g < G; ++g) {
-          const int64_t blk = 2 * p + group_block<KIND>(g);
-          if (blk >= nb) continue;
-          // a group is a block (both halves) or, for q6_k, half g / 2 of block g % 2
-          const int s = KIND == Q6_K ? s16[2 * blk + g / 2] : s16[2 * blk] + s16[2 * blk + 1];
-          rec[p].da[g][slot] = da[blk];
-          rec[p].ms[g][slot] = da[blk] * static_cast<float>(s);
-          rec[p].zi[g][slot] = -z * s;
-        }
-      }
-    }
-  });
-  return a;
-}
-
 // v[j] = 16 int32 of row j -> v[l] = element l of the 16 rows
 inline void transpose16(__m512i* v) {
   __m512i t[16];
@@ -229,29 +144,6 @@ void task_columns(const Call& c, int64_t i, int64_t* start, int* count) {
   for (int v = 0; v < kNC; ++v) {
     start[v] = (i * kNC + v) * 16;
     count[v] = static_cast<int>(std::clamp<int64_t>(c.n_out - start[v], 0, 16));
-  }
-}
-
-// y rows r0.. (rows of them) from out [rows][kNC * 16], with the bias, `other` and the op.
-void epilogue(const Call& c, const int64_t* start, const int* count, int64_t r0, int rows, const float* out, float* y) {
-  const float* bias = ptr_or_null(c.bias);
-  const float* other = ptr_or_null(c.other);
-  for (int r = 0; r < rows; ++r) {
-    const float* o = out + r * kNC * 16;
-    const int64_t yr = (r0 + r) * c.n_out;
-    if (c.swiglu) {
-      for (int j = 0; j < count[0]; ++j) {
-        const int64_t n = start[0] + j, u = start[1] + j;
-        y[yr + n] = silu(o[j] + (bias ? bias[n] : 0.f)) * (o[16 + j] + (bias ? bias[u] : 0.f));
-      }
-      continue;
-    }
-    for (int v = 0; v < kNC; ++v) {
-      for (int j = 0; j < count[v]; ++j) {
-        const int64_t n = start[v] + j;
-        y[yr + n] = o[v * 16 + j] + (bias ? bias[n] : 0.f) + (other ? other[yr + n] : 0.f);
-      }
-    }
   }
 }
 

@@ -1,0 +1,239 @@
+// quant_tiles: `x @ W.T` for any number of rows over the 32-weight kinds (q8_0, q4_0, q4_1) kept in 16-row
+// tiles (engine/model/native/quant_tiles.py lays them out once at load): one kernel for decode, speculative
+// verification and batched decode, and every row computed bitwise as a call with it alone.
+//
+// The tiles are the weight tiles quant_gemm.cpp builds per call by unpacking and transposing 16 row-layout
+// weight rows (quant_blocks.h), kept that way instead, packed (no byte more than the row layout):
+//   qs [T, P, L, 16, 4] uint8: tile t (weight rows 16t..16t+15), pair p, then per 64-byte record the 4 bytes
+//      of lane l of each of the 16 rows side by side. q8_0: L = 16 records, lane l = pair positions 4l..4l+3;
+//      q4_0 / q4_1: L = 8, record l holds the row-layout bytes 4l..4l+3 of the pair, whose low nibbles are lane
+//      l and whose high nibbles lane l + 8 (the pair order puts both blocks' elements j and j + 16 in one byte).
+//   d, m [T, P, 2, 16] fp16: per pair, block and row the scale (and q4_1's minimum); zero past K or N.
+// So the unpacking the row kernel does per weight row and row of x (load_pair, load_scales) and the transpose
+// quant_gemm does per call are gone: a `vpdpbusd` multiplies 16 weight rows x 4 inputs by one broadcast
+// activation lane, and the float work is per block for 16 weight rows at once. At one row the kernel streams
+// the weight once (decode is memory-bound); at 9-16 rows (verification) it does ~1/4 of the row kernel's work.
+//
+// Row invariance: each (row of x, weight row) has its own int32 and fp32 accumulators and takes the same
+// instructions in the same order (per pair, per block: int32 dot from -z * s, then acc += dv * float(dot) * da
+// (+ mv * da * s)) whatever the call's other rows are; rows are quantized each on their own (quant_gemm.h).
+// Hence engine/model/native/rows.py's guarantee for these kinds at every row count, with no routing.
+// Epilogues as quant_linear's: "none", "add" (y = other + x W^T + b), "swiglu" (W = [gate; up], each half
+// tiled apart: parts = 2). With `parts` P', W's n rows are P' parts of n / P' rows, each padded to whole tiles.
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <vector>
+
+#include "quant_gemm.h"
+
+namespace {
+
+using namespace cq;
+
+struct Tiled {
+  const uint8_t* qs;
+  const c10::Half* d;
+  const c10::Half* m;
+  int64_t pairs, tiles, part_rows, part_tiles;
+};
+
+#ifdef CELLSERVE_QUANT_VNNI
+// The kNC column tiles a task multiplies: tile t's arrays from pair 0.
+struct Cols {
+  const uint8_t* qs[kNC];
+  const c10::Half* d[kNC];
+  const c10::Half* m[kNC];
+};
+
+template <int KIND>
+constexpr int64_t kRecords = KIND == Q8_0 ? 16 : 8;  // 64-byte records a pair and tile
+
+inline __m512 scales16(const c10::Half* s) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(s)));
+}
+
+// out[r][c * 16 + j] (+)= row r of x . weight row j of column tile c over pairs [p0, p1), R rows (acts: p0's).
+template <int KIND, int R>
+void micro(const Cols& w, const PairActs* acts, int64_t p0, int64_t p1, bool add, float* out) {
+  constexpr int64_t rec = kRecords<KIND> * 64;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 af[R][kNC];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kNC; ++c) af[r][c] = add ? _mm512_loadu_ps(out + (r * kNC + c) * 16) : _mm512_setzero_ps();
+  for (int64_t p = p0; p < p1; ++p) {
+    const PairActs& A = acts[p - p0];
+    for (int c = 0; c < kNC; ++c) _mm_prefetch(reinterpret_cast<const char*>(w.qs[c] + p * rec + 4096), _MM_HINT_T0);
+    for (int g = 0; g < 2; ++g) {  // the pair's two blocks
+      __m512i ai[R][kNC];
+      for (int r = 0; r < R; ++r)
+        for (int c = 0; c < kNC; ++c) ai[r][c] = _mm512_set1_epi32(A.zi[g][r]);
+      const auto dot = [&](const __m512i* wv, int lane) {
+        for (int r = 0; r < R; ++r) {
+          int32_t raw;
+          std::memcpy(&raw, A.q[r] + 4 * lane, 4);
+          const __m512i av = _mm512_set1_epi32(raw);
+          for (int c = 0; c < kNC; ++c) ai[r][c] = _mm512_dpbusd_epi32(ai[r][c], wv[c], av);
+        }
+      };
+      for (int i = 0; i < 4; ++i) {
+        __m512i lo[kNC], hi[kNC];
+        if (KIND == Q8_0) {  // block g: lanes 8g .. 8g + 7
+          const int l = 8 * g + 2 * i;
+          for (int c = 0; c < kNC; ++c) {
+            lo[c] = _mm512_loadu_si512(w.qs[c] + p * rec + l * 64);
+            hi[c] = _mm512_loadu_si512(w.qs[c] + p * rec + (l + 1) * 64);
+          }
+          dot(lo, l);
+          dot(hi, l + 1);
+        } else {  // block g: records 4g .. 4g + 3, low nibbles lane l, high nibbles lane l + 8
+          const int l = 4 * g + i;
+          for (int c = 0; c < kNC; ++c) {
+            const __m512i v = _mm512_loadu_si512(w.qs[c] + p * rec + l * 64);
+            lo[c] = _mm512_and_si512(v, low4);
+            hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+          }
+          dot(lo, l);
+          dot(hi, l + 8);
+        }
+      }
+      for (int c = 0; c < kNC; ++c) {
+        const __m512 dv = scales16(w.d[c] + (p * 2 + g) * 16);
+        for (int r = 0; r < R; ++r)
+          af[r][c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(ai[r][c]), dv), _mm512_set1_ps(A.da[g][r]), af[r][c]);
+        if (KIND == Q4_1) {
+          const __m512 mv = scales16(w.m[c] + (p * 2 + g) * 16);
+          for (int r = 0; r < R; ++r) af[r][c] = _mm512_fmadd_ps(mv, _mm512_set1_ps(A.ms[g][r]), af[r][c]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < kNC; ++c) _mm512_storeu_ps(out + (r * kNC + c) * 16, af[r][c]);
+}
+
+// Task i's column tiles and the weight rows they hold (start, count): "none"/"add" tiles kNC i.., "swiglu"
+// gate tile i and up tile part_tiles + i.
+template <int KIND>
+Cols task_columns(const Tiled& w, const Call& c, int64_t i, int64_t* start, int* count) {
+  Cols cols;
+  for (int v = 0; v < kNC; ++v) {
+    int64_t t = c.swiglu ? v * w.part_tiles + i : i * kNC + v;
+    const int64_t part = t / w.part_tiles, j0 = (t % w.part_tiles) * 16;
+    start[v] = part * w.part_rows + j0;
+    count[v] = t < w.tiles ? static_cast<int>(std::clamp<int64_t>(w.part_rows - j0, 0, 16)) : 0;
+    t = std::min(t, w.tiles - 1);  // a task's missing tile: computed over a real one, not written
+    cols.qs[v] = w.qs + t * w.pairs * kRecords<KIND> * 64;
+    cols.d[v] = w.d + t * w.pairs * 32;
+    cols.m[v] = w.m ? w.m + t * w.pairs * 32 : nullptr;
+  }
+  return cols;
+}
+
+template <int KIND>
+void tiled(const Tiled& w, const Call& c, float* y) {
+  const Acts a = quantize_rows<KIND>(c.x.data_ptr<float>(), c.rows, c.w.k);
+  const int64_t tasks = c.swiglu ? w.part_tiles : (w.tiles + kNC - 1) / kNC;
+  constexpr int64_t tile_out = kR * kNC * 16;
+  at::parallel_for(0, tasks, 1, [&](int64_t i0, int64_t i1) {
+    thread_local std::vector<float> out;  // no malloc in an OpenMP worker once the widest call has run
+    out.resize(static_cast<size_t>(a.tiles * tile_out));
+    int64_t start[kNC];
+    int count[kNC];
+    for (int64_t i = i0; i < i1; ++i) {
+      const Cols cols = task_columns<KIND>(w, c, i, start, count);
+      for (int64_t p0 = 0; p0 < a.pairs; p0 += kKB) {  // K blocks: each stays in L1 across the row tiles
+        const int64_t p1 = std::min(a.pairs, p0 + kKB);
+        for (int64_t tile = 0; tile < a.tiles; ++tile) {
+          const PairActs* acts = a.v.data() + tile * a.pairs + p0;
+          float* o = out.data() + tile * tile_out;
+          switch (std::min<int64_t>(kR, c.rows - tile * kR)) {
+            case 1: micro<KIND, 1>(cols, acts, p0, p1, p0 > 0, o); break;
+            case 2: micro<KIND, 2>(cols, acts, p0, p1, p0 > 0, o); break;
+            case 3: micro<KIND, 3>(cols, acts, p0, p1, p0 > 0, o); break;
+            default: micro<KIND, kR>(cols, acts, p0, p1, p0 > 0, o); break;
+          }
+        }
+      }
+      for (int64_t tile = 0; tile < a.tiles; ++tile)
+        epilogue(c, start, count, tile * kR, static_cast<int>(std::min<int64_t>(kR, c.rows - tile * kR)),
+                 out.data() + tile * tile_out, y);
+    }
+  });
+}
+constexpr bool kVnni = true;
+#else
+constexpr bool kVnni = false;
+#endif
+
+const c10::Half* halves(const at::Tensor& t, const at::Tensor& qs, int64_t pairs, const char* what) {
+  TORCH_CHECK(t.dim() == 4 && t.is_contiguous() && t.scalar_type() == at::kHalf && t.size(0) == qs.size(0) &&
+                  t.size(1) == pairs && t.size(2) == 2 && t.size(3) == 16,
+              "quant_tiles: ", what, " must be contiguous fp16 [T, P, 2, 16]");
+  return reinterpret_cast<const c10::Half*>(t.data_ptr());
+}
+
+at::Tensor quant_tiles(const at::Tensor& x, at::TensorList wl, int64_t kind, int64_t n, int64_t parts,
+                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& other,
+                       c10::string_view op_view) {
+  TORCH_CHECK(kVnni, "quant_tiles needs AVX-512 VNNI; without it QuantLinear untiles the weight (fp32 tiles)");
+  TORCH_CHECK(kind == Q8_0 || kind == Q4_0 || kind == Q4_1, "quant_tiles: kind must be q8_0, q4_0 or q4_1 (0..2)");
+  TORCH_CHECK(wl.size() == 3, "quant_tiles: the weight is [qs, d, m] (m empty but for q4_1)");
+  const at::Tensor& qs = wl[0];
+  const int64_t records = kind == Q8_0 ? 16 : 8;
+  TORCH_CHECK(qs.dim() == 5 && qs.is_contiguous() && qs.scalar_type() == at::kByte && qs.size(2) == records &&
+                  qs.size(3) == 16 && qs.size(4) == 4,
+              "quant_tiles: qs must be contiguous uint8 [T, P, ", records, ", 16, 4]");
+  TORCH_CHECK(parts >= 1 && n % parts == 0 && qs.size(0) % parts == 0, "quant_tiles: n and the tiles must split into `parts`");
+  Tiled w{qs.data_ptr<uint8_t>(), nullptr, nullptr, qs.size(1), qs.size(0), n / parts, qs.size(0) / parts};
+  TORCH_CHECK(w.part_tiles == (w.part_rows + 15) / 16, "quant_tiles: each part must be ceil(rows / 16) tiles");
+  w.d = halves(wl[1], qs, w.pairs, "d");
+  TORCH_CHECK((wl[2].numel() > 0) == (kind == Q4_1), "quant_tiles: m is given exactly for q4_1");
+  if (kind == Q4_1) w.m = halves(wl[2], qs, w.pairs, "m");
+  const int64_t k = w.pairs * 64;
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(0) >= 1 &&
+                  x.size(1) == k,
+              "quant_tiles: x must be contiguous float32 [rows >= 1, K] with K the weight's");
+  const std::string op(op_view);
+  TORCH_CHECK(op == "none" || op == "add" || op == "swiglu", "quant_tiles: op must be none, add or swiglu");
+  Call c;
+  c.w.k = x.size(1);
+  c.x = x;
+  c.rows = x.size(0);
+  c.swiglu = op == "swiglu";
+  if (c.swiglu && parts == 1 && n % 32 == 0) {  // whole tiles a half: the halves lie apart already
+    w.part_rows = n / 2;
+    w.part_tiles = w.tiles / 2;
+  }
+  TORCH_CHECK(!c.swiglu || w.part_rows * 2 == n, "quant_tiles: swiglu needs the [gate; up] halves tiled apart "
+              "(parts = 2, or 16-row halves)");
+  c.n_out = c.swiglu ? w.part_rows : n;
+  if (bias.has_value() && bias->defined()) {
+    c.bias = bias->to(at::kFloat).contiguous();
+    TORCH_CHECK(c.bias.numel() == n, "quant_tiles: bias must have one value per weight row");
+  }
+  if (op == "add") {
+    TORCH_CHECK(other.has_value(), "quant_tiles: op add needs `other`");
+    c.other = other->to(at::kFloat).contiguous();
+    TORCH_CHECK(c.other.dim() == 2 && c.other.size(0) == c.rows && c.other.size(1) == c.n_out,
+                "quant_tiles: `other` must be [rows, N]");
+  }
+  auto y = at::empty({c.rows, c.n_out}, x.options());
+#ifdef CELLSERVE_QUANT_VNNI
+  float* yp = y.data_ptr<float>();
+  switch (kind) {
+    case Q8_0: tiled<Q8_0>(w, c, yp); break;
+    case Q4_0: tiled<Q4_0>(w, c, yp); break;
+    default: tiled<Q4_1>(w, c, yp); break;
+  }
+#endif
+  return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(cellserve, m) {
+  m.def("quant_tiles(Tensor x, Tensor[] w, int kind, int n, int parts, Tensor? bias, Tensor? other, str op) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(cellserve, CPU, m) { m.impl("quant_tiles", &quant_tiles); }

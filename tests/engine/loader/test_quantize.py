@@ -33,10 +33,10 @@ from engine.api.sampling_params import SamplingParams
 from engine.core.llm import LLM
 from engine.loader.default import DEFAULT_MODEL_DIR
 from engine.loader.gguf_tensors import QuantWeight
-from engine.model.native.quant_tiles import TiledWeight
 from engine.loader.quantize import FORMATS, gguf_name, quantize_weight
 from engine.loader.source import resolve_model
 from engine.model.native.quant import QuantLinear
+from engine.model.native.quant_tiles import TiledWeight
 from engine.model.runner import ModelRunner
 
 Q = gguf.GGMLQuantizationType

@@ -95,9 +95,23 @@ class TiledWeight:
         return QuantWeight(self.kind, qs, d, m)
 
     def untile(self, r0: int = 0, r1: int | None = None) -> QuantWeight:
-        """Weight rows [r0, r1) in the row layout: a tile of the bf16/fp32 paths, one copy of those rows."""
+        """Weight rows [r0, r1) in the row layout: a tile of the bf16/fp32 paths, one copy of those rows
+        (whole tiles transposed back, a strided copy: the gather `rows` does is ~10x slower per byte)."""
         r1 = self.n if r1 is None else r1
-        return self.rows(torch.arange(r0, r1))
+        part_rows, part_tiles = self.n // self.parts, self.qs.shape[0] // self.parts
+        pieces = []
+        for part in range(r0 // part_rows if r1 > r0 else 0, -(-r1 // part_rows)):
+            a, b = max(r0, part * part_rows) - part * part_rows, min(r1, (part + 1) * part_rows) - part * part_rows
+            t0, t1 = part * part_tiles + a // TILE_ROWS, part * part_tiles + -(-b // TILE_ROWS)
+            skip = a % TILE_ROWS
+            qs = self.qs[t0:t1].permute(0, 3, 1, 2, 4).reshape((t1 - t0) * TILE_ROWS, -1)
+            d, m = ([None if t is None else t[t0:t1].permute(0, 3, 1, 2).reshape((t1 - t0) * TILE_ROWS, -1)
+                     for t in (self.d, self.m)])
+            pieces.append([None if t is None else t[skip:skip + b - a].contiguous() for t in (qs, d, m)])
+        if len(pieces) == 1:
+            return QuantWeight(self.kind, *pieces[0])
+        cols = list(zip(*pieces))
+        return QuantWeight(self.kind, *(None if c[0] is None else torch.cat(c) for c in cols))
 
     def dequantize(self, r0: int = 0, r1: int | None = None, *, index: torch.Tensor | None = None) -> torch.Tensor:
         """float32 rows, as `QuantWeight.dequantize` (the reference, the eager path, embedding lookups)."""

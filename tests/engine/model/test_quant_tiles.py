@@ -135,3 +135,15 @@ def test_bad_arguments_say_what_is_wrong():
         _call(t, x, op="gelu")
     with pytest.raises(RuntimeError, match="swiglu needs"):
         torch.ops.cellserve.quant_tiles(x, t.tensors(), KIND_IDS["q4_1"], 30, 1, None, None, "swiglu")
+
+
+@pytest.mark.parametrize("parts", [1, 2])
+def test_untile_any_range(parts):
+    """Ranges starting and ending inside tiles, across the [gate; up] halves, empty: the row layout's rows."""
+    w, _ = _weight("q4_1", 70, 128, seed=6)
+    t = TiledWeight.of(w, parts=parts)
+    for r0, r1 in [(0, 70), (3, 30), (17, 35), (30, 41), (35, 36), (69, 70), (20, 20)]:
+        got = t.untile(r0, r1)
+        assert got.shape == (r1 - r0, 128)
+        assert all(torch.equal(a, b[r0:r1]) for a, b in zip(got.fields(), w.fields()) if a is not None)
+        assert all(a.is_contiguous() for a in got.fields() if a is not None)

@@ -6,7 +6,8 @@
 
 For a random weight of each kind and shape (N x K) and each row count: the time of one call of each
 path of `QuantLinear` (engine/model/native/quant.py): `rows` (quant_linear, the row kernel), `gemm`
-(quant_gemm, the blocked integer GEMM), `fp32` (fp32 tiles + torch.mm, the path before the GEMM) and
+(quant_gemm, the blocked integer GEMM), `tiles` (quant_tiles over the weight in 16-row tiles: q8_0 / q4_0 /
+q4_1 with K % 64 == 0), `fp32` (fp32 tiles + torch.mm, the path before the GEMM) and
 `bf16` (bf16 tiles + torch's bf16 matmul, where the CPU has AVX512-BF16), and `bf16 dense` (F.linear
 on an already-bf16 weight, what the bf16 folder's model pays, for reference). Paths alternate, best of
 `--repeats` each; the fastest quantized path per row is marked (`--paths`: only those). This is what
@@ -22,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.bench.machine import machine
-from engine.loader.gguf_tensors import BLOCK_BYTES, BLOCK_WEIGHTS, KINDS, pack_blocks
+from engine.loader.gguf_tensors import BLOCK_BYTES, BLOCK_WEIGHTS, KINDS, QuantWeight, pack_blocks
 from engine.model.kernels import build as kernels
 from engine.model.native.quant import QuantLinear
 
@@ -48,11 +49,15 @@ def _best(f, x: torch.Tensor, repeats: int) -> float:
     return best
 
 
-def paths(lin: QuantLinear, w_bf16: torch.Tensor) -> dict:
-    tensors, kind = lin.weight.tensors(), lin.kind
+def paths(lin: QuantLinear, w: QuantWeight, w_bf16: torch.Tensor) -> dict:
+    """Each path of `lin` (made from `w`, the row layout) as a function of x."""
+    tensors, kind = w.tensors(), lin.kind
     out = {"rows": lambda x: torch.ops.cellserve.quant_linear(x, tensors, kind, None, None, "none"),
-           "gemm": lambda x: torch.ops.cellserve.quant_gemm(x, tensors, kind, None, None, "none"),
-           "fp32": lambda x: lin._dense(x, bf16=False)}
+           "gemm": lambda x: torch.ops.cellserve.quant_gemm(x, tensors, kind, None, None, "none")}
+    if lin.tiled:
+        t = lin.weight
+        out["tiles"] = lambda x: torch.ops.cellserve.quant_tiles(x, t.tensors(), kind, t.n, t.parts, None, None, "none")
+    out["fp32"] = lambda x: lin._dense(x, bf16=False)
     if torch.ops.cellserve.quant_bf16_fast():
         out["bf16"] = lambda x: lin._dense(x, bf16=True)
     out["bf16 dense"] = lambda x: F.linear(x.bfloat16(), w_bf16)
@@ -77,9 +82,10 @@ def main(argv: list[str] | None = None) -> int:
             if k % BLOCK_WEIGHTS[kind]:
                 print(f"\n{kind} {n}x{k}: skipped, K is not whole {BLOCK_WEIGHTS[kind]}-weight blocks")
                 continue
-            lin = QuantLinear(random_weight(kind, n, k))
+            w = random_weight(kind, n, k)
+            lin = QuantLinear(w)
             lin.small = True
-            fns = paths(lin, torch.randn(n, k).bfloat16())
+            fns = paths(lin, w, torch.randn(n, k).bfloat16())
             if args.paths:
                 fns = {name: f for name, f in fns.items() if name in args.paths.split(",")}
             print(f"\n{kind} {n}x{k} (ms a call; * = fastest quantized path)")

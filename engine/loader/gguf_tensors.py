@@ -39,6 +39,8 @@ Repacked (`QuantWeight`, one row of blocks per output row; the kernels read thes
       q6_k uint8 [N, K/4], 16 bytes a pair: bit 4 plane then bit 5 plane.
   Bytes per weight: q8_0 1.0625, q4_0 0.5625, q4_1 0.625 (the file's), q4_k 0.578 (file 0.5625),
   q5_k 0.703 (0.6875), q6_k 0.8203 (the file's): the K-quants' packed 6-bit scales are kept a byte each.
+  The native forward keeps q8_0 / q4_0 / q4_1 linears in 16-row tiles of these same bytes instead
+  (engine/model/native/quant_tiles.py, made from this layout once at load).
 """
 
 import json

@@ -6,28 +6,31 @@ copy of a linear's weight. `QuantLinear` has `Linear`'s interface
 (call, `silu`, `times`, `plus`, `is_small`, `small`) plus `swiglu` for a [gate; up] weight:
 - with the fused kernels built and AVX-512 VNNI, up to `BF16_ROWS` rows run in integers: the rows
   quantized once per call to int8 (per 32-block; the K-quants per 256-weight super-block, llama.cpp's
-  q8_K) and dotted with the weight blocks (bias, residual add and SiLU*up fused). Up to
-  `ROW_KERNEL_ROWS` rows (decode; the K-quants `K_ROW_KERNEL_ROWS`), and up to `INVARIANT_ROWS` in a step
-  that carries drafts (speculative verification: engine/model/native/rows.py, `must_match_alone`):
-  `torch.ops.cellserve.quant_linear` (engine/model/kernels/csrc/quant_linear.cpp; the K-quants
-  quant_krows.cpp, which sums each super-block in integers), which streams each weight row once for
-  all the rows (groups of 8 while it is in cache) and computes each row bitwise as a call with it alone,
-  so drafted rows round exactly as one-row decode steps; more (batched decode):
+  q8_K) and dotted with the weight blocks (bias, residual add and SiLU*up fused).
+  The 32-weight kinds (K a whole number of 64-weight pairs, as in every real model) are kept in 16-row
+  tiles (`TiledWeight`, engine/model/native/quant_tiles.py; the one copy) and run on
+  `torch.ops.cellserve.quant_tiles` (csrc/quant_tiles.cpp) at every row count: one kernel for decode,
+  speculative verification and batched decode, each row bitwise as alone, 1.3-2.7x faster than the row
+  kernel at one row and 2-3x at 9-16 (docs/performance.md, "The 32-weight kinds in tiles").
+  The K-quants (and a 32-weight K of an odd block count): up to `K_ROW_KERNEL_ROWS` rows
+  (`ROW_KERNEL_ROWS`), and up to `INVARIANT_ROWS` in a step that carries drafts (engine/model/native/rows.py,
+  `must_match_alone`), on `torch.ops.cellserve.quant_linear` (csrc/quant_linear.cpp; the K-quants
+  quant_krows.cpp, which sums each super-block in integers), which streams each weight row once for all the
+  rows and computes each row bitwise as a call with it alone; more (batched decode):
   `torch.ops.cellserve.quant_gemm` (csrc/quant_gemm.cpp), a blocked GEMM that unpacks 32 weight rows x
   512 inputs at a time and runs every row over them in int32 registers (its sums differ from the row
-  kernel's in the last bits). Both round the activations alike, so their error against
+  kernel's in the last bits). All round the activations alike, so their error against
   dequantize-then-`F.linear` is the same: at most sum_k |w_k| * da(k) / 2 per output, da(k) input k's
-  block or super-block scale (tests/engine/model/test_quant_linear.py).
+  block or super-block scale (tests/engine/model/test_quant_linear.py, test_quant_tiles.py).
 - `BF16_ROWS` rows and more (prefill) where the CPU multiplies bf16 natively (AVX512-BF16; AMX under
   oneDNN): the weight is dequantized to bf16 one tile of `TILE_BYTES` at a time
   (`quant_dequant_bf16`, vectorized) and multiplied by torch's bf16 matmul with x rounded to bf16;
   error: the three bf16 roundings (x, W, the output), within the bound the tests state.
+  A tiled weight's rows are untiled one tile of rows at a time first (`TiledWeight.untile`).
   The crossovers were measured (`python -m engine.bench.quant_kernels`, docs/performance.md issue 26):
-  the GEMM wins from 2-4 rows for the 32-weight kinds (the row kernel, with per-lane float work for
-  each row, is 1.7-2.9x slower than it at 9-16 rows on one thread, 1.2-2.6x on two: the price of row
-  invariance there) and from ~16 for the K-quants (their row kernel is faster to 12 rows), up to
-  ~64-96 rows, bf16 tiles above; the GEMM is 5-20x faster than the fp32 tiles below at every row
-  count, bf16 tiles 2-6x at 512 rows.
+  the GEMM wins from ~16 rows for the K-quants (their row kernel is faster to 12 rows), up to ~64-96
+  rows, bf16 tiles above (quant_tiles is as fast as the GEMM there); the GEMM is 5-20x faster than the
+  fp32 tiles below at every row count, bf16 tiles 2-6x at 512 rows.
 - no VNNI (the row kernel would run in plain C), `gemm` switched off past the row kernel's rows (the
   bench's A/B baseline), or no kernels: the weight dequantized to float32 one tile of `TILE_BYTES` at a
   time (`quant_dequant`, or torch ops without the kernels) and multiplied by `torch.mm` (in a step with
@@ -50,11 +53,11 @@ from engine.model.native.quant_tiles import TiledWeight, tileable
 from engine.model.native.rows import must_match_alone
 
 TILE_BYTES = 8 << 20  # float32 bytes of weight unpacked at once on the fp32-tile path
-# The row kernel computes each row bitwise as alone; quant_gemm sums in another order (its rows differ in the
-# last bits). With VNNI the row kernel takes every call of up to ROW_KERNEL_ROWS rows (where it is the faster:
-# measured crossover 2-4 rows; the K-quants' integer super-block sums to 8-12), and up to INVARIANT_ROWS in a
-# step with drafts (`must_match_alone`), so drafted rows round as one-row decode steps do, even where the GEMM
-# is faster (a plain batched decode of 8 sequences keeps the GEMM: 1.2-2.9x faster there for the 32-weight kinds).
+# For weights in the row layout (the K-quants; a 32-weight K of an odd block count): the row kernel computes each
+# row bitwise as alone; quant_gemm sums in another order (its rows differ in the last bits). With VNNI the row
+# kernel takes every call of up to ROW_KERNEL_ROWS rows (K_ROW_KERNEL_ROWS for the K-quants: their integer
+# super-block sums win to 8-12), and up to INVARIANT_ROWS in a step with drafts (`must_match_alone`), so drafted
+# rows round as one-row decode steps do, even where the GEMM is faster. Tiled weights need none of this.
 ROW_KERNEL_ROWS = 3
 K_ROW_KERNEL_ROWS = 8
 BF16_ROWS = 80  # from this many rows bf16 tiles, where the CPU multiplies bf16 natively (measured: 64-96)

@@ -15,8 +15,9 @@ and so do steps without drafts where the row-invariant kernel is the slower one 
 Where it holds (the native forward with its fused kernels, the default on CPU):
 - bf16 on a CPU with AMX: the linears run on `amx_linear` up to the limit (bitwise oneDNN's AMX result for the
   row at any row count), attention on the fused cell kernel;
-- quantized weights (a GGUF's blocks, `--quantize`): the integer row kernel up to the limit
-  (engine/model/native/quant.py), float32 activations, int8 or float cells;
+- quantized weights (a GGUF's blocks, `--quantize`): q8_0 / q4_0 / q4_1 on `quant_tiles` at every row count
+  (engine/model/native/quant_tiles.py: one kernel, no routing); the K-quants on the integer row kernel up to
+  the limit (engine/model/native/quant.py); float32 activations, int8 or float cells;
 - not in float32 (the one-row kernel and oneDNN's sum in different orders: ~1e-7 of a logit, greedy output
   matched in every run measured, but no guarantee), not in bf16 without AMX (the one-row kernel, then
   oneDNN), not on the transformers path.
@@ -34,9 +35,10 @@ _step = threading.local()
 @contextlib.contextmanager
 def drafted_step(drafts: bool):
     """Run this thread's forward as a step that carries drafted rows (`drafts`) or not. Kernels whose
-    row-invariant form is slower than another at some row counts (the 32-weight quantized kinds: the GEMM
-    wins from 4 rows) take it only in steps with drafts: those are the steps whose rows must round as the
-    one-row decode does; a plain batched decode takes the fastest kernel, as batching always did."""
+    row-invariant form is slower than another at some row counts (the K-quants' row kernel against the GEMM
+    past 8-12 rows; torch's elementwise ops row by row) take it only in steps with drafts: those are the steps
+    whose rows must round as the one-row decode does; a plain batched decode takes the fastest kernel, as
+    batching always did."""
     before = getattr(_step, "drafts", False)
     _step.drafts = drafts
     try:

@@ -2,8 +2,9 @@
 //
 // The block layouts, the pair order and the per-lane arithmetic: quant_blocks.h.
 //
-// quant_linear (the row kernel: decode and speculative verification, up to INVARIANT_ROWS rows, each row
-// computed bitwise as alone; any number of rows without VNNI, in groups of 8 per weight row: quant_blocks.h's
+// quant_linear (the row kernel for weights in the row layout: the K-quants, and the 32-weight kinds where K is
+// an odd number of blocks (QuantLinear keeps the others in quant_tiles.cpp's tiles); decode and speculative
+// verification, up to INVARIANT_ROWS rows, each row computed bitwise as alone; any number of rows without VNNI, in groups of 8 per weight row: quant_blocks.h's
 // rows_out), the 32-weight kinds (the K-quants: quant_krows.cpp, in integers per super-block): each row
 // of x is quantized per 32-block to int8 (amax / 127 scale, round half away from zero, as llama.cpp's q8_0
 // activations), each weight pair is dotted

@@ -128,6 +128,19 @@ def test_small_rows_kernel(kind, k, rows):
     torch.testing.assert_close(lin.swiglu(x), F.silu(want[:, : n // 2]) * want[:, n // 2:], atol=2e-4, rtol=0)
 
 
+def rounded_case(kind: str, ref: torch.Tensor, rows: int):
+    """(x, bias, other, exact, da): `rows` rows of x at several scales (one all-zero activation block), a bias
+    and `other` for the weight `ref` [n, k], the float64 result over x rounded as the integer kernels round it
+    (`_round_activations`), and each input's scale da."""
+    n, k = ref.shape
+    g = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, k, generator=g) * (1 + torch.rand(rows, 1, generator=g) * 4)
+    x[0, 32:64] = 0  # an all-zero activation block (scale 0)
+    bias, other = torch.randn(n, generator=g), torch.randn(rows, n, generator=g)
+    xr, da = _round_activations(x, kind)
+    return x, bias, other, (xr.double() @ ref.double().T + bias.double()).float(), da
+
+
 # 32-weight kinds: 1,056 inputs = 33 blocks, so 17 pairs, the last one half, over 3 of the GEMM's
 # 512-input blocks; K-quants: 768 and 1,280 (2 and 3 of them)
 GEMM_K = {kind: [96, 1056] if kind not in K_KINDS else [768, 1280] for kind in KINDS}
@@ -142,12 +155,7 @@ def test_many_rows_gemm(kind, k):
     w, ref = _weight(kind, n, k, seed=k + 2)
     tensors, kid = w.tensors(), KIND_IDS[kind]
     for rows in (1, 3, 9, 37):
-        g = torch.Generator().manual_seed(rows)
-        x = torch.randn(rows, k, generator=g) * (1 + torch.rand(rows, 1, generator=g) * 4)
-        x[0, 32:64] = 0  # an all-zero activation block (scale 0)
-        bias, other = torch.randn(n, generator=g), torch.randn(rows, n, generator=g)
-        xr, da = _round_activations(x, kind)
-        exact = (xr.double() @ ref.double().T + bias.double()).float()
+        x, bias, other, exact, da = rounded_case(kind, ref, rows)
         y = torch.ops.cellserve.quant_gemm(x, tensors, kid, bias, None, "none")
         torch.testing.assert_close(y, exact, atol=2e-4 * (1 + exact.abs().max()), rtol=0)
         assert ((y - F.linear(x, ref, bias)).abs() <= (da / 2) @ ref.abs().T + 1e-4).all()

@@ -14,7 +14,7 @@ the 32-weight kinds kept in 16-row tiles.
 import pytest
 import torch
 import torch.nn.functional as F
-from test_quant_linear import _round_activations, _weight  # puts tests/engine/loader on sys.path
+from test_quant_linear import _weight, rounded_case  # puts tests/engine/loader on sys.path
 
 from engine.loader.gguf_tensors import KIND_IDS
 from engine.model.kernels import build as kernels
@@ -65,12 +65,7 @@ def test_against_rounded_reference(kind, k):
     w, ref = _weight(kind, n, k, seed=k)
     t, halves = TiledWeight.of(w), TiledWeight.of(w, parts=2)
     for rows in (1, 3, 9, 37):
-        g = torch.Generator().manual_seed(rows)
-        x = torch.randn(rows, k, generator=g) * (1 + torch.rand(rows, 1, generator=g) * 4)
-        x[0, 32:64] = 0  # an all-zero activation block (scale 0)
-        bias, other = torch.randn(n, generator=g), torch.randn(rows, n, generator=g)
-        xr, da = _round_activations(x, kind)
-        exact = (xr.double() @ ref.double().T + bias.double()).float()
+        x, bias, other, exact, da = rounded_case(kind, ref, rows)
         tol = 2e-4 * (1 + exact.abs().max())
         y = _call(t, x, bias)
         torch.testing.assert_close(y, exact, atol=tol, rtol=0)

@@ -61,6 +61,7 @@ TILE_BYTES = 8 << 20  # float32 bytes of weight unpacked at once on the fp32-til
 ROW_KERNEL_ROWS = 3
 K_ROW_KERNEL_ROWS = 8
 BF16_ROWS = 80  # from this many rows bf16 tiles, where the CPU multiplies bf16 natively (measured: 64-96)
+INTEGER_PATHS = ("tiles", "rows", "gemm")  # `QuantLinear.path`s that run in integers, the op fused
 
 
 def _kernels() -> bool:
@@ -97,23 +98,28 @@ class QuantLinear:
             return "bf16"
         if not integers:  # the row kernel in plain C: fp32 tiles instead, as before
             return "fp32"
-        if rows <= self.row_rows or must_match_alone(rows):
-            return "tiles" if self.tiled else "rows"
-        if not self.gemm:
-            return "fp32"
-        return "tiles" if self.tiled else "gemm"  # quant_tiles: each row as alone at every row count
+        few = rows <= self.row_rows or must_match_alone(rows)
+        if not (few or self.gemm):
+            return "fp32"  # the GEMM switched off: the bench's A/B baseline
+        if self.tiled:
+            return "tiles"  # quant_tiles: each row as alone at every row count
+        return "rows" if few else "gemm"
 
     def is_small(self, x: torch.Tensor) -> bool:
         """Whether this call runs in integers (quant_tiles, the row kernel or the GEMM)."""
-        return self.path(x) in ("tiles", "rows", "gemm")
+        return self.path(x) in INTEGER_PATHS
 
-    def _small(self, x, other, op) -> torch.Tensor:
+    def _integers(self, x, path: str, other, op) -> torch.Tensor:
+        """This call on the integer kernel `path`, the op fused."""
         w, x = self.weight, x.float().contiguous()
-        path = self.path(x)
         if path == "tiles":
             return torch.ops.cellserve.quant_tiles(x, w.tensors(), self.kind, w.n, w.parts, self.bias, other, op)
         kernel = torch.ops.cellserve.quant_gemm if path == "gemm" else torch.ops.cellserve.quant_linear
         return kernel(x, w.tensors(), self.kind, self.bias, other, op)
+
+    def _linear(self, x: torch.Tensor, path: str) -> torch.Tensor:
+        """x @ W.T + b on `path` (chosen once a call: `path` reads the step's state)."""
+        return self._integers(x, path, None, "none") if path in INTEGER_PATHS else self._dense(x, path == "bf16")
 
     def _tile(self, r0: int, r1: int, bf16: bool) -> torch.Tensor:
         w = self.weight
@@ -141,7 +147,7 @@ class QuantLinear:
         return y if self.bias is None else y.add_(self.bias)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
-        return self._small(x, None, "none") if self.is_small(x) else self._dense(x)
+        return self._linear(x, self.path(x))
 
     def silu(self, x: torch.Tensor) -> torch.Tensor:
         y = self(x)
@@ -157,16 +163,17 @@ class QuantLinear:
 
     def plus(self, x: torch.Tensor, other: torch.Tensor) -> torch.Tensor:
         """`other + linear(x)` (the residual add)."""
-        if self.is_small(x):
-            return self._small(x, other, "add").to(other.dtype)
-        return self._dense(x).add_(other)
+        path = self.path(x)
+        if path in INTEGER_PATHS:
+            return self._integers(x, path, other, "add").to(other.dtype)
+        return self._dense(x, path == "bf16").add_(other)
 
     def swiglu(self, x: torch.Tensor) -> torch.Tensor:
         """`silu(x @ G.T + bg) * (x @ U.T + bu)` for W = [G; U]."""
-        whole_halves = not self.tiled or self.weight.parts == 2 or self.out_features % 32 == 0
-        if self.is_small(x) and whole_halves:
-            return self._small(x, None, "swiglu")
-        y = self(x)
+        path = self.path(x)
+        if path in INTEGER_PATHS and (not self.tiled or self.weight.halves_apart):
+            return self._integers(x, path, None, "swiglu")
+        y = self._linear(x, path)
         n = self.out_features // 2
         return F.silu(y[:, :n]).mul_(y[:, n:])
 

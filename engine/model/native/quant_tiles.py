@@ -71,6 +71,12 @@ class TiledWeight:
         part_rows, part_tiles = self.n // self.parts, self.qs.shape[0] // self.parts
         return self.nbytes * (part_tiles * TILE_ROWS - part_rows) // (part_tiles * TILE_ROWS)
 
+    @property
+    def halves_apart(self) -> bool:
+        """Whether `swiglu` can pair its [gate; up] halves tile by tile: tiled apart, or whole tiles each (the
+        kernel's own rule)."""
+        return self.parts == 2 or (self.n // 2) % TILE_ROWS == 0 and self.n % 2 == 0
+
     def fields(self) -> list[torch.Tensor]:
         return [t for t in (self.qs, self.d, self.m) if t is not None]
 

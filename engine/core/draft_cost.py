@@ -1,15 +1,20 @@
-"""StepCosts: how long a draft pays, from what decode steps of each size cost here and how often drafts are kept.
+"""How long a draft pays: from what decode steps of each size cost here and how often drafts are kept.
 
 A verification step's extra rows are not free everywhere: drafted rows run on the kernels that round as the
-one-row decode step does (engine/model/native/rows.py), and measured at one thread 9 rows cost ~2x one row in
-bf16 on AMX but ~4x on the Q4_1 file's integer row kernel. With each drafted token kept with probability `a`
-(until the first miss), a draft of L tokens yields (1 - a^(L+1)) / (1 - a) tokens a step, so the best L is the
-one that yields the most tokens per second of the step it makes: on the Q4_1 curve at a = 0.85, 4 tokens
-(1.62 tokens per one-row step's time) rather than 8 (1.32).
+one-row decode step does (engine/model/native/rows.py), and on the Q4_1 file a 9-row step costs ~2.4x one
+row. A draft of L tokens yields 1 + S(1) + ... + S(L) tokens a step, S(j) being the chance that its first j
+tokens are kept, so the best L (none included) is the one that yields the most tokens per second of the step
+it makes. Where S comes from:
+- a prompt-lookup draft (`MatchAcceptance`): from how long the match behind it is. The tokens just before the
+  place a draft is copied from agree with the sequence's last tokens over some length: measured on the copy
+  workloads, a 1-token match keeps ~0.7 tokens of 8, a 16-token one ~7.3. Engine-wide counts per match
+  length and draft position learn S; a guess that seldom pays (a short match) is then not drafted at all;
+- a followed text (a prediction, a fork's parent) or a draft model: per sequence, each drafted token kept
+  with probability `a` (decayed counts, `Sequence.drafts_kept` / `drafts_missed`) until a miss: S(j) = a^j.
 
 Costs are learned from the engine's own decode-only steps (an EMA per row count, `observe`); a row count not
 seen yet is taken to cost what the nearest one seen does, so a longer draft is tried, and measured, before it
-is ruled out. The draft model's own steps (engine/core/draft_model.py) are not counted. Acceptance is per sequence (`Sequence.drafts_kept` / `drafts_missed`, decayed counts).
+is ruled out. The draft model's own steps (engine/core/draft_model.py) are not counted.
 """
 
 EMA = 0.2  # weight of the newest observation of a row count's step time
@@ -20,6 +25,11 @@ PRIOR_KEPT, PRIOR_MISSED = 4.0, 1.0  # a sequence that has not drafted yet: ~80%
 def kept_rate(kept: float, missed: float) -> float:
     """Per-token acceptance: tokens kept over tokens kept plus the misses that ended drafts (geometric MLE)."""
     return kept / (kept + missed) if kept + missed > 0 else 0.0
+
+
+def geometric(a: float, longest: int) -> list[float]:
+    """S(1..longest) for drafted tokens each kept with probability `a` until the first miss."""
+    return [a ** j for j in range(1, longest + 1)]
 
 
 def expected_tokens(a: float, length: int) -> float:
@@ -51,14 +61,53 @@ class StepCosts:
         t0, t1 = self.seconds[below], self.seconds[above]
         return t0 + (t1 - t0) * (rows - below) / (above - below)
 
-    def best_length(self, base_rows: int, a: float, longest: int) -> int:
-        """The draft length in [1, longest] that yields the most tokens per second for a sequence whose step
-        already has `base_rows` rows (one per decoding sequence); `longest` while nothing was measured."""
-        if longest <= 1 or not self.seconds:
+    def best_length(self, base_rows: int, kept: list[float], longest: int, shortest: int = 1) -> int:
+        """The draft length in [shortest, longest] that yields the most tokens per second for a sequence whose
+        step already has `base_rows` rows (one per decoding sequence), `kept[j - 1]` being the chance that a
+        draft's first j tokens are kept; `longest` while nothing was measured."""
+        if longest <= shortest or not self.seconds:
             return longest
-        best, best_rate = longest, 0.0
-        for length in range(1, longest + 1):
-            rate = expected_tokens(a, length) / self.cost(base_rows + length)
+        best, best_rate, gain = shortest, 0.0, 1.0 + sum(kept[:shortest])
+        for length in range(shortest, longest + 1):
+            gain += kept[length - 1] if length > shortest else 0.0
+            rate = gain / self.cost(base_rows + length)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = length, rate
         return best
+
+
+MATCH_MAX = 16  # matches are measured up to this many tokens
+MATCH_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16)  # lower bounds of the match lengths counted together
+PRIOR_TRIED, PRIOR_KEPT_AT = 2.0, 1.4  # per bucket and position before anything is seen: 70% kept
+HALVE_AT = 1000.0  # a bucket's counts halve past this many drafts: recent drafts weigh most
+
+
+class MatchAcceptance:
+    """Per match length and draft position: how often a prompt-lookup draft's j-th token was kept, given that
+    the ones before it were (each verification counts the positions it tried: up to the first miss)."""
+
+    def __init__(self, longest: int) -> None:
+        self.tried = [[PRIOR_TRIED] * longest for _ in MATCH_BUCKETS]
+        self.kept = [[PRIOR_KEPT_AT] * longest for _ in MATCH_BUCKETS]
+
+    @staticmethod
+    def bucket(matched: int) -> int:
+        return max(i for i, low in enumerate(MATCH_BUCKETS) if matched >= low or i == 0)
+
+    def survival(self, matched: int, longest: int) -> list[float]:
+        """S(1..longest): the chance that a draft behind a match of `matched` tokens keeps its first j tokens."""
+        b, out, s = self.bucket(matched), [], 1.0
+        for j in range(longest):
+            s *= self.kept[b][j] / self.tried[b][j]
+            out.append(s)
+        return out
+
+    def observe(self, matched: int, drafted: int, kept: int) -> None:
+        b = self.bucket(matched)
+        tried, hits = self.tried[b], self.kept[b]
+        if tried[0] > HALVE_AT:
+            self.tried[b], self.kept[b] = [t / 2 for t in tried], [k / 2 for k in hits]
+            tried, hits = self.tried[b], self.kept[b]
+        for j in range(min(drafted, kept + 1)):
+            tried[j] += 1.0
+            hits[j] += 1.0 if j < kept else 0.0

@@ -60,8 +60,9 @@ class Sequence:
     draft: list[int] = field(default_factory=list)  # guessed next tokens for this tick (speculative), not yet truth
     draft_q: "torch.Tensor | None" = None  # a draft model's sampled draft: the distribution of each token (rows)
     draft_len: int = 0  # how many tokens its next draft may hold (0: the engine's maximum); adapts to acceptance
-    draft_pause: int = 0  # ticks to go without drafting ("auto" backs off after drafts wholly rejected)
-    draft_misses: int = 0  # wholly rejected drafts in a row
+    draft_match: int = 0  # a prompt-lookup draft's match length (0: the draft came from elsewhere)
+    draft_pause: int = 0  # ticks to go without the draft model ("auto" backs off after its drafts wholly missed)
+    draft_misses: int = 0  # wholly rejected model drafts in a row
     drafts_kept: float = PRIOR_KEPT  # decayed counts of drafted tokens kept and of misses that ended drafts
     drafts_missed: float = PRIOR_MISSED  # (engine/core/draft_cost.py: what draft length pays)
 

@@ -40,11 +40,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
 from engine.api.outputs import CompletionOutput, TokenLogprob
-from engine.core.draft_cost import DECAY, StepCosts, kept_rate
+from engine.core.draft_cost import DECAY, MATCH_MAX, MatchAcceptance, StepCosts, geometric, kept_rate
 from engine.core.output_processor import OutputProcessor
 from engine.core.scheduler import Chunk, Scheduler
 from engine.core.sequence import Request, Sequence
@@ -57,18 +58,28 @@ NGRAM_MIN = 1
 # "auto" drafts only while at most this many sequences decode: there one step streams every weight once
 # for few rows, so drafted rows ride almost free; with more, a step is compute-bound and drafts cost.
 AUTO_MAX_DECODING = 4
-# "auto" drafts no longer than pays on this machine's measured step costs (engine/core/draft_cost.py), and
-# it also backs off a sequence whose drafts keep missing (text with little to copy): after each wholly
-# rejected draft it decodes alone for 2, 4, 8 ... up to this many ticks (one row is the fastest step).
+# "auto" drafts no longer than pays on this machine's measured step costs (engine/core/draft_cost.py): a
+# prompt-lookup draft by how long its match is, none where that seldom pays. A draft model's drafts cost a
+# draft forward each, so "auto" also backs off a sequence whose model drafts keep missing: after each wholly
+# rejected one it decodes without the draft model for 2, 4, 8 ... up to this many ticks.
 AUTO_MAX_PAUSE = 64
 
 
-def lookup_draft(history: list[int], sources: list[list[int]], k: int) -> list[int]:
+@dataclass
+class Lookup:
+    """A prompt-lookup draft and how many tokens before its source agree with the history's end (the n-gram
+    that found it, extended backwards up to MATCH_MAX): what tells how far it is likely to be kept."""
+
+    tokens: list[int]
+    matched: int = 0
+
+
+def lookup_draft(history: list[int], sources: list[list[int]], k: int) -> Lookup:
     """Up to k tokens that followed the most recent earlier occurrence of `history`'s last n tokens
     (longest n first, n in [NGRAM_MIN, NGRAM_MAX]), searched in `history` itself, then in `sources`.
     One vectorised compare per (n, source): no Python loop over tokens."""
     if k <= 0 or len(history) < 2:
-        return []
+        return Lookup([])
     own = torch.as_tensor(history)
     others = [torch.as_tensor(s) for s in sources if len(s) > 1]
     for n in range(min(NGRAM_MAX, len(history) - 1), NGRAM_MIN - 1, -1):
@@ -80,16 +91,25 @@ def lookup_draft(history: list[int], sources: list[list[int]], k: int) -> list[i
             windows = tokens[:ends].unfold(0, n, 1)
             hits = (windows == key).all(1).nonzero().flatten().tolist()[-4:]
             # the most recent few: the first with a whole draft's continuation, else the longest one
-            best: list[int] = []
+            best, at = [], 0
             for start in reversed(hits):
                 follow = tokens[start + n : start + n + k].tolist()
                 if len(follow) > len(best):
-                    best = follow
+                    best, at = follow, start
                 if len(best) == k:
                     break
             if best:
-                return best
-    return []
+                return Lookup(best, n + _agreeing(tokens[:at], own[:-n], MATCH_MAX - n))
+    return Lookup([])
+
+
+def _agreeing(a: torch.Tensor, b: torch.Tensor, most: int) -> int:
+    """How many tokens at the ends of `a` and `b` agree, counted backwards, at most `most`."""
+    m = min(most, len(a), len(b))
+    if m <= 0:
+        return 0
+    same = (a[len(a) - m :] == b[len(b) - m :]).flip(0)
+    return int(same.cumprod(0).sum())
 
 
 class SpeculativeDecoder:
@@ -105,6 +125,7 @@ class SpeculativeDecoder:
         self.k, self.max_model_len, self.always = k, max_model_len, always
         self.drafted = self.accepted = 0  # tokens proposed / kept, for reports
         self.costs = StepCosts()  # decode-only step times per row count (the engine reports them)
+        self.matches = MatchAcceptance(k)  # prompt-lookup drafts kept, by match length and position
 
     def propose(self) -> None:
         """Give every eligible running sequence a draft (the scheduler may still drop it for room); with
@@ -113,14 +134,14 @@ class SpeculativeDecoder:
         quiet = self.always or self._quiet(running)
         by_model = []  # (sequence, room): no free draft, the draft model's then
         for seq in running:
-            seq.draft, seq.draft_q = [], None
-            if seq.draft_pause > 0 and not self.always:
-                seq.draft_pause -= 1
-                continue
+            seq.draft, seq.draft_q, seq.draft_match = [], None, 0
             room = self._room(seq) if quiet and self._eligible(seq) else 0
             seq.draft = self._draft_for(seq, room) if room > 0 else []
-            if room > 0 and not seq.draft and self.drafter is not None:
-                by_model.append((seq, room))
+            if seq.draft_pause > 0 and not self.always:
+                seq.draft_pause -= 1
+            elif room > 0 and not seq.draft and self.drafter is not None:
+                seq.draft_match = 0
+                by_model.append((seq, self._paced(seq, room)))
         if by_model:
             self._model_drafts(by_model)
 
@@ -145,14 +166,17 @@ class SpeculativeDecoder:
                 and seq.cache_target() - seq.n_cached == 1 and not req.children_pending)
 
     def _room(self, seq: Sequence) -> int:
-        """How many tokens the sequence may draft this tick: its adaptive length, within max_tokens and the
-        context; under "auto" also no longer than pays on this machine's measured step costs (draft_cost.py)."""
-        room = min(seq.draft_len or self.k, seq.params.max_tokens - seq.num_generated - 1,
-                   self.max_model_len - len(seq.token_ids) - 1)
+        """How many tokens the sequence may draft this tick at most: k, within max_tokens and the context."""
+        return min(self.k, seq.params.max_tokens - seq.num_generated - 1, self.max_model_len - len(seq.token_ids) - 1)
+
+    def _paced(self, seq: Sequence, room: int) -> int:
+        """A followed text's or the draft model's length: the sequence's adaptive length within `room`; under
+        "auto" also no longer than pays for its acceptance on this machine's step costs (draft_cost.py)."""
+        room = min(seq.draft_len or self.k, room)
         if self.always or room <= 1:
             return room
         a = kept_rate(seq.drafts_kept, seq.drafts_missed)
-        return self.costs.best_length(len(self.scheduler.running), a, room)
+        return self.costs.best_length(len(self.scheduler.running), geometric(a, room), room)
 
     def _draft_for(self, seq: Sequence, room: int) -> list[int]:
         followed = self._followed(seq)
@@ -160,9 +184,16 @@ class SpeculativeDecoder:
             n = len(seq.token_ids)
             ahead = text[n - start : n - start + room] if n - start >= 0 else []
             if ahead and text[: n - start] == seq.token_ids[start:]:  # following it so far: its next tokens
-                return ahead
-        siblings = [s.token_ids for s in seq.request.seqs if s is not seq]
-        return lookup_draft(seq.token_ids, [text for text, _ in followed] + siblings, room)
+                return ahead[: self._paced(seq, len(ahead))]
+        sources = [text for text, _ in followed] + [s.token_ids for s in seq.request.seqs if s is not seq]
+        if self.always:  # "ngram": as long as the sequence's own adaptive length allows
+            return lookup_draft(seq.token_ids, sources, self._paced(seq, room)).tokens
+        found = lookup_draft(seq.token_ids, sources, room)
+        if not found.tokens:
+            return []
+        seq.draft_match = found.matched
+        kept = self.matches.survival(found.matched, len(found.tokens))
+        return found.tokens[: self.costs.best_length(len(self.scheduler.running), kept, len(found.tokens), shortest=0)]
 
     def _followed(self, seq: Sequence) -> list[tuple[list[int], int]]:
         """Texts the sequence may follow token for token, each with the position of seq.token_ids where
@@ -204,16 +235,25 @@ class SpeculativeDecoder:
             if by_model:
                 self.drafter.drafted += len(c.draft)
                 self.drafter.accepted += drafts_kept
-            # adapt: a draft kept whole may double next time (a copy runs for long: reach k in a few ticks);
-            # else it shrinks to what was kept, plus one
-            seq.draft_len = min(self.k, max(2 * len(c.draft), seq.draft_len or self.k)) if drafts_kept == len(c.draft) else drafts_kept + 1
-            seq.draft_misses = 0 if drafts_kept else seq.draft_misses + 1
-            seq.drafts_kept = DECAY * seq.drafts_kept + drafts_kept
-            seq.drafts_missed = DECAY * seq.drafts_missed + (drafts_kept < len(c.draft))
-            seq.draft_pause = min(AUTO_MAX_PAUSE, 2 ** seq.draft_misses) if seq.draft_misses else 0
+            self._adapt(seq, len(c.draft), drafts_kept, by_model)
             self._trim(seq, start + drafts_kept, start + len(c.draft))
             seq.draft, seq.draft_q = [], None
         return appended
+
+    def _adapt(self, seq: Sequence, drafted: int, kept: int, by_model: bool) -> None:
+        """What the next drafts learn from this one: a lookup draft's outcome counts for its match length; a
+        followed text's or model's adapts the sequence's own length (a draft kept whole may double next time: a
+        copy runs for long, reach k in a few ticks; else it shrinks to what was kept, plus one) and rate, and
+        model drafts wholly rejected pause the draft model for the sequence."""
+        if seq.draft_match:
+            self.matches.observe(seq.draft_match, drafted, kept)
+            return
+        seq.draft_len = min(self.k, max(2 * drafted, seq.draft_len or self.k)) if kept == drafted else kept + 1
+        seq.drafts_kept = DECAY * seq.drafts_kept + kept
+        seq.drafts_missed = DECAY * seq.drafts_missed + (kept < drafted)
+        if by_model:
+            seq.draft_misses = 0 if kept else seq.draft_misses + 1
+            seq.draft_pause = min(AUTO_MAX_PAUSE, 2 ** seq.draft_misses) if seq.draft_misses else 0
 
     def settle(self) -> None:
         """After a tick: the draft model's pool keeps no cell of a drafted token the target did not keep."""

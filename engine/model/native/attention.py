@@ -130,8 +130,27 @@ def _row_cells(plan: StepPlan, seen: dict, gather: RowGather, rows):
 
 def _cell_part(plan: StepPlan, seen: dict, rows, device) -> _Part:
     """The fused kernel's part: cells `[t, L]` read in place (in position order), biases `[t, L]`."""
-    idx, bias = _row_cells(plan, seen, gather_rows(plan.visible[rows], plan.key_pos), rows)
+    gather = _shared_cells(gather_rows(plan.visible[rows], plan.key_pos), plan.seq_ids[rows])
+    idx, bias = _row_cells(plan, seen, gather, rows)
     return _Part("cells", rows, idx.to(device), {w: b.to(device) for w, b in bias.items()})
+
+
+def _shared_cells(gather: RowGather, seq_ids: torch.Tensor) -> RowGather:
+    """A sequence's consecutive rows (its last token and its drafted ones) given the cells of its last row, each
+    row still masked by its own bias: the kernel then converts each block of those cells once for all of them
+    (kernels/csrc/cell_blocks.h). Only where a row's own cells sit in the same columns of the last row's, so
+    every row keeps the order of its sums (a drafted row stays bitwise the decode row it stands for)."""
+    ids = seq_ids.cpu()
+    n = ids.shape[0]
+    starts = torch.ones(n, dtype=torch.bool)
+    starts[1:] = ids[1:] != ids[:-1]
+    if bool(starts.all()):  # one row per sequence: nothing shared
+        return gather
+    ends = torch.cat([starts.nonzero().flatten()[1:] - 1, torch.tensor([n - 1])])
+    last = ends[starts.cumsum(0) - 1]  # each row's run's last row
+    idx, valid = gather.idx, gather.valid
+    inside = ((idx == idx[last]) | ~valid).all(1) & (valid[last] | ~valid).all(1)
+    return RowGather(torch.where(inside[:, None], idx[last], idx), torch.where(inside[:, None], valid[last], valid))
 
 
 def _gather_part(plan: StepPlan, seen: dict, gather: RowGather, rows, n_kv: int, group: int, device) -> _Part:

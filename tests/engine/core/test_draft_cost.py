@@ -4,7 +4,7 @@ import pytest
 from engine_support import greedy, make_engine, prompt, run_requests, scripted_model, shared_tokenizer
 
 from engine.api.sampling_params import SamplingParams
-from engine.core.draft_cost import StepCosts, expected_tokens, kept_rate
+from engine.core.draft_cost import MatchAcceptance, StepCosts, expected_tokens, geometric, kept_rate
 
 # one sequence's decode steps at 1, 2, 3, 5 and 9 rows, ms, one thread (the Q4_1 file's integer row kernel;
 # bf16 on AMX), measured with a 500-token context
@@ -34,11 +34,32 @@ def test_expected_tokens_and_acceptance():
 
 
 def test_the_best_length_follows_what_rows_cost():
-    assert _costs(Q4_1).best_length(1, 0.85, 8) == 4  # dear rows: 4 tokens pay best
-    assert _costs(BF16_AMX).best_length(1, 0.85, 8) == 6  # cheaper rows: longer drafts
-    assert _costs(BF16_AMX).best_length(1, 0.99, 8) == 8 and _costs(Q4_1).best_length(1, 0.99, 8) == 7
-    assert _costs(Q4_1).best_length(1, 0.3, 8) == 1  # drafts that mostly miss: one token
-    assert StepCosts().best_length(1, 0.5, 8) == 8  # nothing measured yet: try the longest
+    def best(table, a, shortest=1):
+        return _costs(table).best_length(1, geometric(a, 8), 8, shortest)
+
+    assert best(Q4_1, 0.85) == 4  # dear rows: 4 tokens pay best
+    assert best(BF16_AMX, 0.85) == 6  # cheaper rows: longer drafts
+    assert best(BF16_AMX, 0.99) == 8 and best(Q4_1, 0.99) == 7
+    assert best(Q4_1, 0.3) == 1  # drafts that mostly miss: one token, or none where none is allowed
+    assert best(Q4_1, 0.3, shortest=0) == 0 and best(BF16_AMX, 0.3, shortest=0) == 1
+    assert StepCosts().best_length(1, geometric(0.5, 8), 8) == 8  # nothing measured yet: try the longest
+    # any survival curve, not only a geometric one: kept whole or not at all
+    assert _costs(Q4_1).best_length(1, [0.9] * 8, 8, 0) == 8 and _costs(Q4_1).best_length(1, [0.1] * 8, 8, 0) == 0
+
+
+def test_match_acceptance_learns_per_match_length_and_position():
+    m = MatchAcceptance(8)
+    assert m.survival(3, 2) == pytest.approx([0.7, 0.49])  # the prior: 70% a position
+    for _ in range(200):
+        m.observe(1, 8, 0)  # 1-token matches: the first token missed
+        m.observe(16, 8, 8)  # long matches: kept whole
+        m.observe(4, 8, 2)  # 4-token matches: two kept, the third missed (positions 4-8 not tried)
+    assert m.survival(1, 1)[0] < 0.02 and m.survival(20, 8)[-1] > 0.9  # 20 counts with 16 (the last bucket)
+    four = m.survival(5, 8)  # 4 and 5 share a bucket
+    assert four[1] > 0.95 and four[2] < 0.02 and m.tried[m.bucket(4)][3] == pytest.approx(2.0)
+    m.tried[0][0] = 1001.0
+    m.observe(1, 8, 0)  # past the cap a bucket's counts halve first: recent drafts weigh most
+    assert m.tried[0][0] == pytest.approx(501.5)
 
 
 def test_auto_learns_step_costs_and_caps_drafts_by_them(model):
@@ -58,8 +79,9 @@ def test_auto_learns_step_costs_and_caps_drafts_by_them(model):
     engine.step()  # the prefill
     seq = engine.scheduler.running[0]
     seq.drafts_kept, seq.drafts_missed = 8.5, 1.5  # 85% kept
-    assert engine.speculative._room(seq) == 4
+    k = engine.speculative.k
+    assert engine.speculative._paced(seq, k) == 4
     engine.speculative.costs = _costs(BF16_AMX)
-    assert engine.speculative._room(seq) == 6
+    assert engine.speculative._paced(seq, k) == 6
     seq.drafts_kept, seq.drafts_missed = 99, 1
-    assert engine.speculative._room(seq) == engine.speculative.k
+    assert engine.speculative._paced(seq, k) == k

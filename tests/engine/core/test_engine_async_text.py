@@ -45,8 +45,13 @@ def _chain_model(tok):
     return scripted_model(tok, succ), ids
 
 
+# Both sides draft the same way: "auto" decides from measured step times, so two runs could group tokens into
+# deltas differently; "ngram" drafts the same tokens in every run (and still merges several into one delta).
+SAME_DRAFTS = "ngram"
+
+
 def _engine_side(model, tok, prompt_ids, params) -> list[list[str]]:
-    engine = make_engine(model=model, tokenizer=tok, n_cells=256)
+    engine = make_engine(model=model, tokenizer=tok, n_cells=256, speculative=SAME_DRAFTS)
     got = Collector()
     engine.add_request("r", prompt_ids, params, got)
     drain(engine)
@@ -55,7 +60,7 @@ def _engine_side(model, tok, prompt_ids, params) -> list[list[str]]:
 
 def _async_side(model, tok, prompt_ids, params) -> tuple[list[list[str]], RecordingTokenizer]:
     recording = RecordingTokenizer(tok)
-    aeng = AsyncEngine.launch(lambda: make_engine(model=model, tokenizer=recording, n_cells=256))
+    aeng = AsyncEngine.launch(lambda: make_engine(model=model, tokenizer=recording, n_cells=256, speculative=SAME_DRAFTS))
     texts: dict[int, list[str]] = {}
 
     async def main():
@@ -120,7 +125,7 @@ def test_continuing_a_sequence_decodes_with_its_history_as_context(tok):
         expected.append(got.texts[0])
 
     recording = RecordingTokenizer(tok)
-    aeng = AsyncEngine.launch(lambda: make_engine(model=model, tokenizer=recording, n_cells=256))
+    aeng = AsyncEngine.launch(lambda: make_engine(model=model, tokenizer=recording, n_cells=256, speculative=SAME_DRAFTS))
 
     async def main():
         info = await aeng.create_sequence(ids[:3])

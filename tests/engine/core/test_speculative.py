@@ -34,10 +34,13 @@ def _run(engine, prompts, params):
 
 def test_lookup_draft_takes_the_most_recent_continuation_longest_match_first():
     history = [1, 2, 3, 9, 1, 2, 3, 4, 5, 7, 2, 3]
-    assert lookup_draft(history, [], 3) == [4, 5, 7]  # "2 3" last seen before "4 5 7"
-    assert lookup_draft([5, 6, 7, 8], [], 3) == []  # no earlier occurrence of any suffix
-    assert lookup_draft([8, 1, 2], [[0, 1, 2, 6, 6, 6]], 2) == [6, 6]  # from a sibling's history
-    assert lookup_draft(history, [], 0) == []
+    assert lookup_draft(history, [], 3).tokens == [4, 5, 7]  # "2 3" last seen before "4 5 7"
+    assert lookup_draft([5, 6, 7, 8], [], 3).tokens == []  # no earlier occurrence of any suffix
+    assert lookup_draft([8, 1, 2], [[0, 1, 2, 6, 6, 6]], 2).tokens == [6, 6]  # from a sibling's history
+    assert lookup_draft(history, [], 0).tokens == []
+    assert lookup_draft(history, [], 3).matched == 2  # "9 1" before the source, "7 2 3" ends the history
+    found = lookup_draft([7, 9, 1, 2, 3, 4, 6, 7, 9, 1, 2, 3, 4], [], 2)
+    assert found.tokens == [6, 7] and found.matched == 6  # the 4-gram, and "7 9" before it agree too
 
 
 def test_greedy_output_is_the_same_with_and_without_drafts(model):
@@ -123,17 +126,21 @@ def test_seeded_and_n_choice_output_is_the_same_with_and_without_drafts(model, p
     assert engine.speculative.drafted > 0
 
 
-def test_auto_backs_off_a_sequence_whose_drafts_miss(model):
-    """On text with little to copy, "auto" pauses drafting after wholly rejected drafts (one row is the
-    fastest step); "ngram" keeps drafting. Both give the output without drafts."""
+def test_auto_drafts_only_what_its_matches_pay_for(model):
+    """Where drafted rows cost (here a fixed curve: 9 rows 2.9x one, as on the Q4_1 file), "auto" learns per
+    match length how much of a lookup draft is kept and drafts only what pays: on text with little to copy it
+    drafts less than "ngram", which always drafts. Both give the output without drafts."""
     prompts = [prompt(5, 3) * 4, prompt(9, 4) * 2]
     plain = _run(make_engine(model=model, speculative="off"), prompts, greedy(60))
     drafted = {}
     for mode in ("auto", "ngram"):
         engine = make_engine(model=model, speculative=mode)
+        for rows in range(1, 11):
+            engine.speculative.costs.observe(rows, 4.5e-3 + 1.0e-3 * (rows - 1))
+        engine.speculative.costs.observe = lambda rows, seconds: None  # the curve holds whatever this machine does
         assert [o.tokens for o in _run(engine, prompts, greedy(60))] == [o.tokens for o in plain]
         drafted[mode] = engine.speculative.drafted
-    assert 0 < drafted["auto"] < drafted["ngram"]
+    assert 0 < drafted["auto"] < drafted["ngram"], drafted
 
 
 def test_auto_does_not_draft_in_a_tick_that_prefills():
@@ -148,7 +155,7 @@ def test_auto_does_not_draft_in_a_tick_that_prefills():
         engine.step()
     copier = engine.scheduler.running[0]
     engine.add_request("newcomer", cycle[3:] + cycle, greedy(30), Collector())
-    assert lookup_draft(copier.token_ids, [], 4) and copier.draft_pause == 0  # a draft is there to take
+    assert lookup_draft(copier.token_ids, [], 4).tokens  # a draft is there to take  # a draft is there to take
     before = engine.speculative.drafted
     engine.step()  # the newcomer's prefill rides this tick
     assert engine.speculative.drafted == before

@@ -56,7 +56,7 @@ def test_rope_store_ropes_q_and_k_and_writes_the_pools(dtype, head_dim):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("n_q", "n_kv", "head_dim"), [(8, 4, 64), (9, 3, 64), (4, 4, 24)])
+@pytest.mark.parametrize(("n_q", "n_kv", "head_dim"), [(8, 4, 64), (9, 3, 64), (4, 2, 128), (4, 4, 24)])
 def test_cell_attention_matches_masked_softmax_attention(dtype, n_q, n_kv, head_dim):
     torch.manual_seed(2)
     n_tok, width, n_cells = 6, 37, 300
@@ -79,6 +79,43 @@ def test_cell_attention_matches_masked_softmax_attention(dtype, n_q, n_kv, head_
             o = F.scaled_dot_product_attention(q[t:t + 1].transpose(0, 1)[None], keys[:, :, cols], values[:, :, cols],
                                                scale=0.125, enable_gqa=True)
             torch.testing.assert_close(out[t], o[0].transpose(0, 1).reshape(-1), atol=1e-5, rtol=1e-5)
+
+
+def _attend(q, pools, idx, bias):
+    if pools[0].dtype == torch.int8:
+        return torch.ops.cellserve.cell_attention_q8(q, pools[0], pools[1], pools[2], pools[3], idx, bias, 0.125)
+    return torch.ops.cellserve.cell_attention(q, pools[0], pools[1], idx, bias, 0.125)
+
+
+@pytest.mark.parametrize("pool", ["float32", "bfloat16", "int8"])
+@pytest.mark.parametrize("head_dim", [64, 128, 24])
+def test_rows_sharing_cells_are_each_the_row_alone_bitwise(pool, head_dim):
+    """A verification step gives a sequence's rows (its last token, its drafts) the cells of its last row, each
+    row masked to what it sees: the kernel reads each block once for all of them (cell_blocks.h). Every row must
+    still come out bit for bit as in a call of its own over just its cells, as a lone decode step computes it,
+    whatever the call's width and the other rows (another sequence's, a lone row's)."""
+    from engine.cells import int8_kv
+
+    torch.manual_seed(5)
+    n_q, n_kv, n_cells, dtype = 9, 3, 400, torch.bfloat16 if pool == "bfloat16" else torch.float32
+    k, v = torch.randn(1, n_kv, n_cells, head_dim) * 2, torch.randn(1, n_kv, n_cells, head_dim)
+    pools = ((*int8_kv.quantize(k), *int8_kv.quantize(v)) if pool == "int8" else (k.to(dtype), v.to(dtype)))
+    if pool == "int8":
+        pools = (pools[0], pools[2], pools[1], pools[3])  # keys, values, key scales, value scales
+    # sequence A: 45 cached cells + 8 drafted (9 rows, 45..53 cells seen); B: 20 + 3 (4 rows); C: one decode row
+    cells = torch.randperm(n_cells)
+    rows = [(cells[:53], 45 + r) for r in range(9)] + [(cells[60:83], 20 + r) for r in range(4)] + [(cells[90:120], 30)]
+    width = 61  # wider than any row: padding past every row's own cells
+    idx, bias = torch.zeros(len(rows), width, dtype=torch.int64), torch.full((len(rows), width), float("-inf"))
+    for t, (seq_cells, seen) in enumerate(rows):
+        idx[t, : len(seq_cells)] = seq_cells
+        bias[t, :seen] = 0.0
+    bias[3, 7] = float("-inf")  # a hole inside a drafted row's view (a window, a dropped cell)
+    q = torch.randn(len(rows), n_q, head_dim).to(dtype)
+    out = _attend(q, pools, idx, bias)
+    for t, (seq_cells, seen) in enumerate(rows):
+        alone = _attend(q[t : t + 1].contiguous(), pools, idx[t : t + 1, :seen].contiguous(), bias[t : t + 1, :seen].contiguous())
+        assert torch.equal(out[t : t + 1], alone), t
 
 
 def test_bad_inputs_are_refused_with_a_reason():

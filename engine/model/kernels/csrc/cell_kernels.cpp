@@ -25,6 +25,8 @@
 #include <immintrin.h>
 #endif
 
+#include "cell_blocks.h"
+
 namespace {
 
 // Calls f(T{}) with T the kernel type for fp32 or bf16 tensors (the dtypes the native forward runs).
@@ -276,6 +278,9 @@ template <typename T, typename KV>
 void attention_kernel(const T* q, const KV* kp, const KV* vp, const float* ks, const float* vs, const int64_t* idx,
                       const float* bias, T* out, int64_t n_tok, int64_t n_q, int64_t n_kv, int64_t n_cells,
                       int64_t dim, int64_t width, float scale) {
+#if defined(__AVX512F__)
+  if (cell_blocks::run(q, kp, vp, ks, vs, idx, bias, out, n_tok, n_q, n_kv, n_cells, dim, width, scale)) return;
+#endif
   const int64_t group = n_q / n_kv;
   constexpr int64_t kAhead = 16;  // rows fetched ahead (see prefetch_row)
   const float neg_inf = -std::numeric_limits<float>::infinity();

@@ -26,7 +26,9 @@ tests compare this one against (fp32: same logits within 1e-4, same greedy token
 How the queries read the cell pools is decided once a step for every layer (`Attend`).
 A step is one or more parts, each a set of query rows and the pool cells they read:
 - `cells` (with the fused kernels, `engine/model/kernels/build.py`): each one-row (decoding) query reads its own
-  visible cells in place from the pools (`torch.ops.cellserve.cell_attention`, no copy);
+  visible cells in place from the pools (`torch.ops.cellserve.cell_attention`, no copy), in blocks of 16 cells;
+  a sequence's drafted rows are given its last row's cells, each masked to its own view, so each block is
+  converted once for all of them (kernels/csrc/cell_blocks.h), every row still as it would be alone;
 - `gather` (without them): each one-row query copies its own visible cells out of the pools and
   attends by batched matmuls with an additive bias `[Hkv*t, G, L]`;
 - `dense` (without them; one row, or rows that each see most of the window): every row reads the

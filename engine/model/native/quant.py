@@ -4,7 +4,8 @@ A `QuantWeight` (engine/loader/gguf_tensors.py: Q8_0, Q4_0, Q4_1 in 32-weight bl
 0.625 bytes per weight; Q4_K, Q5_K, Q6_K in 256-weight super-blocks, 0.578 / 0.703 / 0.820) is the only
 copy of a linear's weight. `QuantLinear` has `Linear`'s interface
 (call, `silu`, `times`, `plus`, `is_small`, `small`) plus `swiglu` for a [gate; up] weight:
-- with the fused kernels built and AVX-512 VNNI, up to `BF16_ROWS` rows run in integers: the rows
+- with the fused kernels built and AVX-512 VNNI, up to `BF16_ROWS` rows (`TILED_BF16_ROWS` for tiled
+  weights) run in integers: the rows
   quantized once per call to int8 (per 32-block; the K-quants per 256-weight super-block, llama.cpp's
   q8_K) and dotted with the weight blocks (bias, residual add and SiLU*up fused).
   The 32-weight kinds (K a whole number of 64-weight pairs, as in every real model) are kept in 16-row
@@ -22,14 +23,14 @@ copy of a linear's weight. `QuantLinear` has `Linear`'s interface
   kernel's in the last bits). All round the activations alike, so their error against
   dequantize-then-`F.linear` is the same: at most sum_k |w_k| * da(k) / 2 per output, da(k) input k's
   block or super-block scale (tests/engine/model/test_quant_linear.py, test_quant_tiles.py).
-- `BF16_ROWS` rows and more (prefill) where the CPU multiplies bf16 natively (AVX512-BF16; AMX under
+- `BF16_ROWS` (tiled: `TILED_BF16_ROWS`) rows and more (prefill) where the CPU multiplies bf16 natively (AVX512-BF16; AMX under
   oneDNN): the weight is dequantized to bf16 one tile of `TILE_BYTES` at a time
   (`quant_dequant_bf16`, vectorized) and multiplied by torch's bf16 matmul with x rounded to bf16;
   error: the three bf16 roundings (x, W, the output), within the bound the tests state.
   A tiled weight's rows are untiled one tile of rows at a time first (`TiledWeight.untile`).
   The crossovers were measured (`python -m engine.bench.quant_kernels`, docs/performance.md issue 26):
   the GEMM wins from ~16 rows for the K-quants (their row kernel is faster to 12 rows), up to ~64-96
-  rows, bf16 tiles above (quant_tiles is as fast as the GEMM there); the GEMM is 5-20x faster than the
+  rows, bf16 tiles above; quant_tiles up to ~200 rows (a bf16 step dequantizes every weight first); the GEMM is 5-20x faster than the
   fp32 tiles below at every row count, bf16 tiles 2-6x at 512 rows.
 - no VNNI (the row kernel would run in plain C), `gemm` switched off past the row kernel's rows (the
   bench's A/B baseline), or no kernels: the weight dequantized to float32 one tile of `TILE_BYTES` at a
@@ -61,6 +62,10 @@ TILE_BYTES = 8 << 20  # float32 bytes of weight unpacked at once on the fp32-til
 ROW_KERNEL_ROWS = 3
 K_ROW_KERNEL_ROWS = 8
 BF16_ROWS = 80  # from this many rows bf16 tiles, where the CPU multiplies bf16 natively (measured: 64-96)
+# Tiled weights hold out longer on quant_tiles: a bf16 step dequantizes every weight first (~48 ms for SmolLM2's
+# Q4_1 file), which quant_tiles never pays. Its prefill steps, 2 threads, tiles / bf16: 96 rows 51-53 / 74-80 ms,
+# 200 rows 103-107 / 102-106, 400 rows 216-232 / 162-169 (docs/performance.md, seventh session).
+TILED_BF16_ROWS = 192
 INTEGER_PATHS = ("tiles", "rows", "gemm")  # `QuantLinear.path`s that run in integers, the op fused
 
 
@@ -82,6 +87,7 @@ class QuantLinear:
         self.gemm = True  # many rows on quant_gemm (with `small` and VNNI); off: fp32 tiles, the old path
         self.tile = max(16, TILE_BYTES // (4 * self.in_features))
         self.row_rows = K_ROW_KERNEL_ROWS if BLOCK_WEIGHTS[weight.kind] == 256 else ROW_KERNEL_ROWS  # K-quants
+        self.bf16_rows = TILED_BF16_ROWS if self.tiled else BF16_ROWS
 
     @property
     def nbytes(self) -> int:
@@ -94,7 +100,7 @@ class QuantLinear:
         if not (self.small and _kernels()):
             return "fp32"
         integers, bf16 = _fast()
-        if self.gemm and bf16 and rows >= BF16_ROWS:
+        if self.gemm and bf16 and rows >= self.bf16_rows:
             return "bf16"
         if not integers:  # the row kernel in plain C: fp32 tiles instead, as before
             return "fp32"

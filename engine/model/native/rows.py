@@ -21,7 +21,8 @@ Where it holds (the native forward with its fused kernels, the default on CPU):
 - not in float32 (the one-row kernel and oneDNN's sum in different orders: ~1e-7 of a logit, greedy output
   matched in every run measured, but no guarantee), not in bf16 without AMX (the one-row kernel, then
   oneDNN), not on the transformers path.
-Tests: tests/engine/model/test_row_invariance.py, test_linear.py (AMX), test_quant_rows_invariant.py.
+Tests: tests/engine/model/test_row_invariance.py, test_linear.py (AMX), test_quant_rows_invariant.py,
+test_kernels.py (attention rows sharing cells, each bitwise as alone).
 """
 
 import contextlib

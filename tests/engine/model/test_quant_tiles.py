@@ -14,11 +14,15 @@ the 32-weight kinds kept in 16-row tiles.
 import pytest
 import torch
 import torch.nn.functional as F
-from test_quant_linear import _weight, rounded_case  # puts tests/engine/loader on sys.path
+from test_quant_linear import (  # puts tests/engine/loader on sys.path
+    _round_activations,
+    _weight,
+    rounded_case,
+)
 
 from engine.loader.gguf_tensors import KIND_IDS
 from engine.model.kernels import build as kernels
-from engine.model.native.quant import QuantLinear
+from engine.model.native.quant import BF16_ROWS, TILED_BF16_ROWS, QuantLinear
 from engine.model.native.quant_tiles import TILED_KINDS, TiledWeight, tileable
 
 
@@ -113,6 +117,25 @@ def test_quant_linear_keeps_tiles_and_untiles_for_dequantizing_paths():
     odd = QuantLinear(w)  # parts 1, halves of 35 rows: computed whole, then silu * up
     want = F.linear(x, ref)
     torch.testing.assert_close(odd.swiglu(x), F.silu(want[:, :35]) * want[:, 35:], atol=1e-4, rtol=0)
+
+
+def test_tiled_weights_stay_on_tiles_past_the_row_layouts_bf16_crossover():
+    """A bf16 step dequantizes the whole weight first, which quant_tiles never pays: tiled weights switch to bf16
+    tiles only from TILED_BF16_ROWS rows (row-layout weights from BF16_ROWS), and agree with the reference on
+    both sides of it."""
+    if not torch.ops.cellserve.quant_bf16_fast():
+        pytest.skip("bf16 tiles are taken only on CPUs with AVX512-BF16")
+    w, ref = _weight("q4_1", 48, 128, seed=9)
+    lin = QuantLinear(w)
+    lin.small = True
+    assert lin.tiled and BF16_ROWS < TILED_BF16_ROWS
+    x = torch.randn(TILED_BF16_ROWS, 128, generator=torch.Generator().manual_seed(3))
+    assert lin.path(x[:BF16_ROWS]) == lin.path(x[: TILED_BF16_ROWS - 1]) == "tiles" and lin.path(x) == "bf16"
+    xr, _ = _round_activations(x[:BF16_ROWS], "q4_1")  # tiles: int8 activations, exact sums
+    torch.testing.assert_close(lin(x[:BF16_ROWS]), (xr.double() @ ref.double().T).float(), atol=2e-4, rtol=0)
+    want = F.linear(x, ref)
+    bound = (x.abs() @ ref.abs().T) * 2**-8 + want.abs() * 2**-8 + 1e-4  # bf16 tiles: x, W and y rounded
+    assert ((lin(x) - want).abs() <= bound).all()
 
 
 def test_bad_arguments_say_what_is_wrong():

@@ -6,7 +6,9 @@
 //   rope_store      RoPE on Q and K from one cos/sin table, K and V written straight into the cell
 //                   pools, Q returned;
 //   cell_attention  one query row per sequence reads its own cells in place from the pools (no
-//                   gathered copy), scores, softmax and values in fp32.
+//                   gathered copy), scores, softmax and values in fp32. With AVX-512 and a head_dim of
+//                   64 or 128, in blocks of 16 cells shared by rows with the same cells (cell_blocks.h);
+//                   else row by row (attention_kernel below).
 //   rope_store_q8, cell_attention_q8
 //                   the same over int8 pools with a float32 scale per (cell, kv head) row
 //                   (engine/cells/int8_kv.py): rows are quantized as they are written (absmax / 127,

@@ -63,6 +63,7 @@ inline __m512 exp16(__m512 x) {
   return _mm512_maskz_mov_ps(static_cast<__mmask16>(~zero), _mm512_scalef_ps(p, n));
 }
 
+// 16 elements of a pool row as fp32 (bf16 widened by a shift, int8 converted; its scale applied by the caller).
 inline __m512 load_row16(const float* p) { return _mm512_loadu_ps(p); }
 inline __m512 load_row16(const c10::BFloat16* p) {
   const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));

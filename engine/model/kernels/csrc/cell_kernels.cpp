@@ -47,16 +47,9 @@ template <typename T>
 inline float to_f(T v) { return static_cast<float>(v); }
 
 // Dot product and axpy of a float vector with one K or V row of the pool's dtype. Written with
-// AVX-512 where the build has it (16 lanes, bf16 widened by a shift), plain loops otherwise.
+// AVX-512 where the build has it (16 lanes: cell_blocks::load_row16), plain loops otherwise.
 #if defined(__AVX512F__)
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const c10::BFloat16* p) {
-  const __m256i half = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));
-}
-inline __m512 load16(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
+using cell_blocks::load_row16;
 #endif
 
 inline float to_f(int8_t v) { return static_cast<float>(v); }
@@ -67,7 +60,7 @@ inline float dot_row(const float* q, const T* row, int64_t dim) {
   float s = 0.f;
 #if defined(__AVX512F__)
   __m512 acc = _mm512_setzero_ps();
-  for (; d + 16 <= dim; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load16(row + d), acc);
+  for (; d + 16 <= dim; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(q + d), load_row16(row + d), acc);
   s = _mm512_reduce_add_ps(acc);
 #endif
   for (; d < dim; ++d) s += q[d] * to_f(row[d]);
@@ -79,7 +72,7 @@ inline void axpy_row(float* acc, float p, const T* row, int64_t dim) {
   int64_t d = 0;
 #if defined(__AVX512F__)
   const __m512 pv = _mm512_set1_ps(p);
-  for (; d + 16 <= dim; d += 16) _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load16(row + d), _mm512_loadu_ps(acc + d)));
+  for (; d + 16 <= dim; d += 16) _mm512_storeu_ps(acc + d, _mm512_fmadd_ps(pv, load_row16(row + d), _mm512_loadu_ps(acc + d)));
 #endif
   for (; d < dim; ++d) acc[d] += p * to_f(row[d]);
 }

@@ -238,15 +238,17 @@ def load_quantized(path: str | Path) -> tuple[dict, dict[str, "QuantWeight | tor
                                f"(only {', '.join(QUANT_ARCHS)})")
     n_head = int(meta[f"{arch}.attention.head_count"])
     n_kv = int(meta.get(f"{arch}.attention.head_count_kv", n_head))
-    data = np.memmap(path, dtype=np.uint8, mode="r")
     out: dict = {}
     as_bf16: set[str] = set()
-    try:
+    # read tensor by tensor, not through a memory map: a map's pages count in the process's resident memory
+    # until it is unmapped, so the whole file stayed resident beside its repacked copy (the load's peak)
+    with open(path, "rb") as data:
         for name, t in index.items():
             qtype = gguf.GGMLQuantizationType(t.ggml_type)
             block, type_size = gguf.GGML_QUANT_SIZES[qtype]
             numel = int(np.prod(t.shape))
-            raw = data[t.offset: t.offset + numel // block * type_size]
+            data.seek(t.offset)
+            raw = np.frombuffer(data.read(numel // block * type_size), dtype=np.uint8)
             kind = KINDS.get(t.ggml_type)
             if kind and len(t.shape) == 2 and t.shape[1] % BLOCK_WEIGHTS[kind] == 0:
                 w = pack_blocks(raw, t.ggml_type, *t.shape)
@@ -260,8 +262,6 @@ def load_quantized(path: str | Path) -> tuple[dict, dict[str, "QuantWeight | tor
                 perm = _unpermute_index(t.shape[0], n_head if ".attn_q." in name else n_kv)
                 w = w.rows(perm) if isinstance(w, QuantWeight) else w.index_select(0, perm)
             out[name] = w
-    finally:
-        del data
     if as_bf16:
         log.warning("%s: tensors of type %s are not read by the quantized kernels; served as bfloat16",
                     Path(path).name, ", ".join(sorted(as_bf16)))

@@ -21,7 +21,7 @@ from engine.cells.plan import row_gather_for
 from engine.loader.gguf_tensors import is_gguf_folder, load_gguf_model
 from engine.loader.hf import load_hf_folder
 from engine.loader.quantize import load_quantized_folder
-from engine.model import module_weights
+from engine.model import heap, module_weights
 from engine.model.flat_step import FlatStep, flatten_step
 from engine.model.hf_attention import (
     ATTENTION_PATHS,
@@ -157,7 +157,14 @@ class ModelRunner:
         `quantize="int8"|"int4"`: the linears quantized at load into 32-weight blocks and run on the
         native forward's quantized kernels (engine/loader/quantize.py); `dtype` then holds the matrices
         left float (the embedding, when not tied to the head).
+        The heap the load freed on the way goes back to the OS at the end (engine/model/heap.py).
         """
+        runner = cls._load(path, dtype, attn_implementation, device, quantize, **kwargs)
+        heap.trim()
+        return runner
+
+    @classmethod
+    def _load(cls, path, dtype, attn_implementation, device, quantize, **kwargs) -> "ModelRunner":
         if quantize not in (None, "none"):
             return cls._quantized(path, quantize, dtype, **kwargs)
         if is_gguf_folder(path):  # weights served from the GGUF file as they are (dtype "quantized")

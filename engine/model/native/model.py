@@ -117,7 +117,8 @@ class NativeLlama:
     def __init__(self, model, spec: MaskSpec, tensors: dict | None = None):
         """`tensors` (a GGUF file's, engine/loader/gguf_tensors.py): the weights to run instead of the
         model's own, quantized linears kept quantized (engine/model/native/quant.py); `model` is then
-        only the architecture (a placeholder skeleton)."""
+        only the architecture (a placeholder skeleton). They are taken out of the dict as each layer is built,
+        so what a layer re-lays is freed at once."""
         reason = native_unsupported(model)
         if reason:
             raise ValueError(f"no native forward: {reason}")

@@ -367,8 +367,11 @@ def weight_bytes(native) -> int:
 
 
 def layer_weights(tensors: dict, i: int) -> dict:
-    """`_Layer`'s attributes for block `i` of a GGUF file's tensors (llama.cpp names)."""
-    t = {k.removeprefix(f"blk.{i}."): v for k, v in tensors.items() if k.startswith(f"blk.{i}.")}
+    """`_Layer`'s attributes for block `i` of a GGUF file's tensors (llama.cpp names). Takes the block's
+    tensors out of `tensors`: what a layer re-lays (tiles, stacks) is freed as soon as its layer is built, so
+    a load holds one copy of the weights plus one layer's, not two copies."""
+    prefix = f"blk.{i}."
+    t = {k.removeprefix(prefix): tensors.pop(k) for k in [k for k in tensors if k.startswith(prefix)]}
     qkv = [t[f"attn_{p}.weight"] for p in "qkv"]
     out = {"ln1": t["attn_norm.weight"], "ln2": t["ffn_norm.weight"],
            "qkv": linear_of(qkv, cat_biases(t, [f"attn_{p}.bias" for p in "qkv"], [_rows(w) for w in qkv])),
@@ -380,9 +383,9 @@ def layer_weights(tensors: dict, i: int) -> dict:
 
 def model_weights(tensors: dict) -> tuple:
     """(embedding, final norm weight, LM head) of a GGUF file's tensors; a tied head (no `output.weight`)
-    reads the embedding's own blocks."""
-    embed = tensors["token_embd.weight"]
-    head = tensors.get("output.weight", embed)
+    reads the embedding's own blocks. Takes them out of `tensors`, as `layer_weights` does."""
+    embed = tensors.pop("token_embd.weight")
+    head = tensors.pop("output.weight", embed)
     if isinstance(head, QuantWeight):
         lm_head = QuantLinear(head)
     else:
@@ -391,7 +394,7 @@ def model_weights(tensors: dict) -> tuple:
         table = QuantEmbedding(lm_head.weight if head is embed else embed)
     else:
         table = embed if embed.dtype == torch.float32 else CastEmbedding(embed)
-    return table, tensors["output_norm.weight"], lm_head
+    return table, tensors.pop("output_norm.weight"), lm_head
 
 
 def _rows(w) -> int:

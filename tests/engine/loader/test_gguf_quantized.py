@@ -82,6 +82,24 @@ def test_the_folder_holds_no_weights_and_the_runner_one_copy(served):
         assert native.head.weight is native.embed.weight and isinstance(native.embed.weight, (QuantWeight, TiledWeight))
 
 
+def test_a_load_holds_one_copy_at_a_time(served):
+    """The load's peak: the native forward takes each tensor out of the dict as its layer re-lays it (tiles), so
+    the file's blocks and their re-laid copy are never all held at once; what the load freed goes back to the
+    OS (engine/model/heap.py). (Tensors are also read one at a time, not through a map left resident.)"""
+    from engine.loader.gguf_tensors import load_gguf_model
+    from engine.model import heap
+    from engine.model.native.model import NativeLlama
+
+    folder = served[2]
+    model, _, tensors = load_gguf_model(folder)
+    assert tensors
+    runner = ModelRunner(model, n_cells=64, native=False)  # its mask spec; the native forward built below
+    native = NativeLlama(model, runner.spec, tensors)
+    assert tensors == {}  # every tensor taken by a layer, the embedding, the norm or the head
+    assert native.layers and native.head is not None
+    assert heap.trim()  # glibc (this project's Linux images): the load's freed heap is returned
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["kernels", "eager"])
 def test_logits_match_the_dequantized_oracle_and_greedy_tokens_agree(served, fused):
     _, _, folder, oracle = served

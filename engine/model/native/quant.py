@@ -30,7 +30,7 @@ copy of a linear's weight. `QuantLinear` has `Linear`'s interface
   A tiled weight's rows are untiled one tile of rows at a time first (`TiledWeight.untile`).
   The crossovers were measured (`python -m engine.bench.quant_kernels`, docs/performance.md issue 26):
   the GEMM wins from ~16 rows for the K-quants (their row kernel is faster to 12 rows), up to ~64-96
-  rows, bf16 tiles above; quant_tiles up to ~200 rows (a bf16 step dequantizes every weight first); the GEMM is 5-20x faster than the
+  rows, bf16 tiles above; quant_tiles up to ~128 rows (a bf16 step dequantizes every weight first); the GEMM is 5-20x faster than the
   fp32 tiles below at every row count, bf16 tiles 2-6x at 512 rows.
 - no VNNI (the row kernel would run in plain C), `gemm` switched off past the row kernel's rows (the
   bench's A/B baseline), or no kernels: the weight dequantized to float32 one tile of `TILE_BYTES` at a
@@ -62,10 +62,11 @@ TILE_BYTES = 8 << 20  # float32 bytes of weight unpacked at once on the fp32-til
 ROW_KERNEL_ROWS = 3
 K_ROW_KERNEL_ROWS = 8
 BF16_ROWS = 80  # from this many rows bf16 tiles, where the CPU multiplies bf16 natively (measured: 64-96)
-# Tiled weights hold out longer on quant_tiles: a bf16 step dequantizes every weight first (~48 ms for SmolLM2's
-# Q4_1 file), which quant_tiles never pays. Its prefill steps, 2 threads, tiles / bf16: 96 rows 51-53 / 74-80 ms,
-# 200 rows 103-107 / 102-106, 400 rows 216-232 / 162-169 (docs/performance.md, seventh session).
-TILED_BF16_ROWS = 192
+# Tiled weights hold out longer on quant_tiles: a bf16 step untiles and dequantizes every weight first (~30 ms
+# for SmolLM2's Q4_1 file), which quant_tiles never pays. Its prefill steps, 2 threads, tiles / bf16: 96 rows
+# 51-53 / 74-80 ms, 112 rows 59-60 / 63-66, 144 rows 76-77 / 71-74, 400 rows 216-232 / 148 (docs/performance.md,
+# seventh session).
+TILED_BF16_ROWS = 128
 INTEGER_PATHS = ("tiles", "rows", "gemm")  # `QuantLinear.path`s that run in integers, the op fused
 
 

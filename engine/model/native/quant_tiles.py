@@ -110,10 +110,13 @@ class TiledWeight:
             a, b = max(r0, part * part_rows) - part * part_rows, min(r1, (part + 1) * part_rows) - part * part_rows
             t0, t1 = part * part_tiles + a // TILE_ROWS, part * part_tiles + -(-b // TILE_ROWS)
             skip = a % TILE_ROWS
-            qs = self.qs[t0:t1].permute(0, 3, 1, 2, 4).reshape((t1 - t0) * TILE_ROWS, -1)
+            # each record's 4 bytes moved as one int32: a strided copy of 4-byte elements, ~4x one of bytes
+            qs = self.qs[t0:t1].view(torch.int32).permute(0, 3, 1, 2, 4).reshape((t1 - t0) * TILE_ROWS, -1)
             d, m = ([None if t is None else t[t0:t1].permute(0, 3, 1, 2).reshape((t1 - t0) * TILE_ROWS, -1)
                      for t in (self.d, self.m)])
-            pieces.append([None if t is None else t[skip:skip + b - a].contiguous() for t in (qs, d, m)])
+            qs = qs[skip:skip + b - a]
+            qs = qs.contiguous().view(torch.uint8) if qs.numel() else torch.empty(0, qs.shape[1] * 4, dtype=torch.uint8)
+            pieces.append([qs, *(None if t is None else t[skip:skip + b - a].contiguous() for t in (d, m))])
         if len(pieces) == 1:
             return QuantWeight(self.kind, *pieces[0])
         cols = list(zip(*pieces))

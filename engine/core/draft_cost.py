@@ -32,11 +32,6 @@ def geometric(a: float, longest: int) -> list[float]:
     return [a ** j for j in range(1, longest + 1)]
 
 
-def expected_tokens(a: float, length: int) -> float:
-    """Tokens a step yields with a draft of `length` tokens, each kept with probability `a` until a miss."""
-    return float(length + 1) if a >= 1.0 else (1.0 - a ** (length + 1)) / (1.0 - a)
-
-
 class StepCosts:
     """Seconds a decode-only step takes, per row count (an EMA of what this engine measured)."""
 

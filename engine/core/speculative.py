@@ -140,7 +140,6 @@ class SpeculativeDecoder:
             if seq.draft_pause > 0 and not self.always:
                 seq.draft_pause -= 1
             elif room > 0 and not seq.draft and self.drafter is not None:
-                seq.draft_match = 0
                 by_model.append((seq, self._paced(seq, room)))
         if by_model:
             self._model_drafts(by_model)
@@ -191,9 +190,10 @@ class SpeculativeDecoder:
         found = lookup_draft(seq.token_ids, sources, room)
         if not found.tokens:
             return []
-        seq.draft_match = found.matched
         kept = self.matches.survival(found.matched, len(found.tokens))
-        return found.tokens[: self.costs.best_length(len(self.scheduler.running), kept, len(found.tokens), shortest=0)]
+        draft = found.tokens[: self.costs.best_length(len(self.scheduler.running), kept, len(found.tokens), shortest=0)]
+        seq.draft_match = found.matched if draft else 0  # what verify counts this draft's outcome under
+        return draft
 
     def _followed(self, seq: Sequence) -> list[tuple[list[int], int]]:
         """Texts the sequence may follow token for token, each with the position of seq.token_ids where

@@ -4,7 +4,7 @@ import pytest
 from engine_support import greedy, make_engine, prompt, run_requests, scripted_model, shared_tokenizer
 
 from engine.api.sampling_params import SamplingParams
-from engine.core.draft_cost import MatchAcceptance, StepCosts, expected_tokens, geometric, kept_rate
+from engine.core.draft_cost import MatchAcceptance, StepCosts, geometric, kept_rate
 
 # one sequence's decode steps at 1, 2, 3, 5 and 9 rows, ms, one thread (the Q4_1 file's integer row kernel;
 # bf16 on AMX), measured with a 500-token context
@@ -28,6 +28,9 @@ def test_costs_interpolate_and_stay_optimistic_past_what_was_seen():
 
 
 def test_expected_tokens_and_acceptance():
+    def expected_tokens(a, length):  # tokens a step yields: the one it always makes plus S(1) + ... + S(L)
+        return 1 + sum(geometric(a, length))
+
     assert expected_tokens(1.0, 8) == 9 and expected_tokens(0.0, 8) == 1
     assert expected_tokens(0.5, 2) == pytest.approx(1.75)
     assert kept_rate(4, 1) == pytest.approx(0.8) and kept_rate(0, 0) == 0

@@ -36,8 +36,11 @@ class Attend:
         bounds = [0, *((ids[1:] != ids[:-1]).nonzero().flatten() + 1).tolist(), n_tok]
         seen = {w: windowed(plan, w) for w in windows}  # [T, C] visibility per attention window
         if len(bounds) - 1 < n_tok:  # some sequence brings several rows: a prefill chunk
-            self.mode = "split"
             self.parts = _split_parts(plan, seen, bounds, n_kv, group, device, fused)
+            whole = len(self.parts) == 1 and _row_count(self.parts[0].rows, n_tok) == n_tok  # one prefill, or drafts
+            if whole:  # every row in order: no per-layer index and index_put of q and out
+                self.parts[0].rows = slice(None)
+            self.mode = self.parts[0].kind if whole else "split"
             return
         everyone = slice(None)
         gather = None if fused else row_gather_for(plan, max_tokens=None)
@@ -120,6 +123,11 @@ def _split_parts(plan: StepPlan, seen: dict, bounds: list[int], n_kv: int, group
         part.rows = rows.to(device)
         parts.append(part)
     return parts
+
+
+def _row_count(rows: slice | torch.Tensor, n_tok: int) -> int:
+    """How many of a step's `n_tok` rows a part holds (its rows are in order, each once)."""
+    return len(range(n_tok)[rows]) if isinstance(rows, slice) else rows.numel()
 
 
 def _row_cells(plan: StepPlan, seen: dict, gather: RowGather, rows):

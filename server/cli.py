@@ -107,6 +107,9 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="the draft model's dtype, as --dtype (auto: a .gguf's own quantized blocks where they run)")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="turn automatic prefix sharing off (finished requests free their cells at once)")
+    p.add_argument("--no-warmup", action="store_true",
+                   help="skip running the first steps' shapes once at load (the first request then pays the "
+                        "one-time costs)")
     p.add_argument("--state-dir", default=None,
                    help="keep persistent sequences (tokens, and idle ones' KV cells) in this folder and restore them "
                         "on start; default: memory only")

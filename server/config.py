@@ -36,7 +36,8 @@ def engine_args_of(args: argparse.Namespace) -> EngineArgs:
                       attention=args.attention, prefix_caching=not args.no_prefix_cache,
                       speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                       draft_model=args.draft_model, draft_dtype=args.draft_dtype,
-                      state_dir=args.state_dir, state_max_bytes=args.state_max_bytes, state_eager=args.state_eager)
+                      state_dir=args.state_dir, state_max_bytes=args.state_max_bytes, state_eager=args.state_eager,
+                      warmup=not args.no_warmup)
 
 
 def engine_factory(args: argparse.Namespace) -> Callable[[], object]:

@@ -63,6 +63,9 @@ class EngineArgs:
     # False: a restored sequence's cells load from the state dir when it is next scheduled (a restart is quick
     # whatever the folder holds); True: at start, as far as the pool has room (the first request is quicker)
     state_eager: bool = False
+    # a loaded model runs its first steps' shapes once before any request (ModelRunner.warm_up), as llama.cpp's
+    # server does (--no-warmup there too): the first request then pays no one-time costs
+    warmup: bool = True
 
     def __post_init__(self):
         if self.speculative not in SPECULATIVE_METHODS:

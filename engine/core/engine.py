@@ -37,6 +37,9 @@ from engine.model.runner import ModelRunner
 from engine.sample.sampler import Sampler, make_generator
 
 log = logging.getLogger("cellserve.engine")
+# the prefill a loaded model warms up with (capped by max_num_batched_tokens): past the quantized kernels'
+# switch to bf16 tiles (engine/model/native/quant.py, 128 rows), so both paths have run once
+WARMUP_PREFILL = 256
 
 
 class Engine:
@@ -84,6 +87,8 @@ class Engine:
             args, _ = resolve_args(args)
             runner = ModelRunner.from_pretrained(args.model, dtype=args.dtype, quantize=args.quantize,
                                                  **args.runner_kwargs())
+            if args.warmup:  # before the engine: the pool is still empty (no restored sequence yet)
+                runner.warm_up(min(WARMUP_PREFILL, args.max_num_batched_tokens), args.num_speculative_tokens)
         draft = None
         if args.draft_model is not None:  # its own pool: as many cells and slots as the target's
             draft = ModelRunner.from_pretrained(resolve_model(args.draft_model, args.draft_dtype).path,

@@ -243,6 +243,29 @@ class ModelRunner:
         )
         return out.logits[0].float()
 
+    def warm_up(self, prefill_tokens: int, draft_tokens: int) -> None:
+        """Run the step shapes a server meets first (a prefill of `prefill_tokens`, a lone decode row, a decode
+        row with `draft_tokens` drafted ones) on an empty pool, then free their cells: the first request then
+        pays no one-time costs (thread pools, scratch buffers, the weights' first pass through each kernel;
+        ~35 ms on SmolLM2-135M, more on bigger models), as llama.cpp's server warms up at load. Only on an
+        empty pool (before an engine owns it): the pool is left exactly as it was."""
+        if self.cache.used_cells():
+            raise RuntimeError("warm_up runs on an empty cell pool only (before an engine schedules on it)")
+        n = min(prefill_tokens, (self.n_cells - 1) // 2, self.max_model_len // 2)  # n + 1 + rows <= 2n + 1 cells
+        if n < 1:
+            return
+        vocab = self.config.get_text_config().vocab_size
+        ids = [(i * 7919 + 1) % vocab for i in range(n)]  # any in-vocabulary ids: only shapes matter here
+        try:
+            self.run({0: (ids, 0)})
+            self.run({0: (ids[:1], n)})
+            rows = min(draft_tokens + 1, n)  # a step never holds more rows than the prefill's budget
+            drafted = flatten_step({0: (ids[:rows], n + 1)})
+            drafted.drafts, drafted.logits_indices = True, torch.arange(rows)  # every row's logits
+            self.forward(drafted)
+        finally:
+            self.cache.seq_rm(0)
+
     def run(self, chunks: dict[int, tuple[list[int], int]]) -> dict[int, torch.Tensor]:
         """Convenience: `{seq_id: (token_ids, start_pos)}` -> `{seq_id: logits of its last token}`."""
         step = flatten_step(chunks)

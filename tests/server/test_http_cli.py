@@ -1,5 +1,6 @@
 """`cellserve serve` as a real process: loads, logs what it serves, streams, and exits cleanly on SIGTERM."""
 
+import argparse
 import os
 import signal
 import socket
@@ -13,7 +14,8 @@ import httpx
 import pytest
 from http_support import sse_events
 
-from server.cli import main
+from server.cli import main, serve_parser
+from server.config import engine_args_of
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -99,3 +101,9 @@ def test_bench_dispatch_needs_a_subcommand(capsys):
 def test_serve_rejects_conflicting_pool_options():
     with pytest.raises(SystemExit):
         main(["serve", "--n-cells", "10", "--kv-memory", "1GiB"])
+
+
+def test_no_warmup_is_a_serve_flag():
+    parser = serve_parser(argparse.ArgumentParser())
+    assert engine_args_of(parser.parse_args([])).warmup is True
+    assert engine_args_of(parser.parse_args(["--no-warmup"])).warmup is False

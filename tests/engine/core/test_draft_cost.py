@@ -52,7 +52,8 @@ def test_the_best_length_follows_what_rows_cost():
 
 def test_match_acceptance_learns_per_match_length_and_position():
     m = MatchAcceptance(8)
-    assert m.survival(3, 2) == pytest.approx([0.7, 0.49])  # the prior: 70% a position
+    assert m.survival(3, 2) == pytest.approx([0.7, 0.7 * 0.85])  # the prior (measured): 3-token matches
+    assert m.survival(1, 1)[0] < m.survival(8, 1)[0] < m.survival(16, 1)[0]  # longer matches are kept more
     for _ in range(200):
         m.observe(1, 8, 0)  # 1-token matches: the first token missed
         m.observe(16, 8, 8)  # long matches: kept whole

@@ -24,7 +24,7 @@ test: $(STAMP)
 # DTYPE=quantized serves a Llama/Qwen2 GGUF's own blocks (SmolLM2's Q4_1: 93 MB, no float copy), as
 # `cellserve serve` does by default (dtype auto). make serve dequantizes SmolLM2 to float32 for now: there the
 # quantized path answers the README's first example differently (a near tie flips under int8-rounded
-# activations; #26 has not measured its perplexity yet).
+# activations; its perplexity is within 1.6% of the float model's: tests/server/test_real_models.py).
 MODEL ?= smollm2-135m-instruct
 DTYPE ?= $(if $(filter smollm2-135m-instruct,$(MODEL)),float32,auto)
 serve: $(STAMP)

@@ -8,13 +8,17 @@ it makes. Where S comes from:
 - a prompt-lookup draft (`MatchAcceptance`): from how long the match behind it is. The tokens just before the
   place a draft is copied from agree with the sequence's last tokens over some length: measured on the copy
   workloads, a 1-token match keeps ~0.7 tokens of 8, a 16-token one ~7.3. Engine-wide counts per match
-  length and draft position learn S; a guess that seldom pays (a short match) is then not drafted at all;
+  length and draft position learn S (from `PRIOR_FIRST` / `PRIOR_LATER`, measured there); a guess that seldom
+  pays (a short match) is then not drafted at all;
 - a followed text (a prediction, a fork's parent) or a draft model: per sequence, each drafted token kept
   with probability `a` (decayed counts, `Sequence.drafts_kept` / `drafts_missed`) until a miss: S(j) = a^j.
 
 Costs are learned from the engine's own decode-only steps (an EMA per row count, `observe`); a row count not
 seen yet is taken to cost what the nearest one seen does, so a longer draft is tried, and measured, before it
-is ruled out. The draft model's own steps (engine/core/draft_model.py) are not counted.
+is ruled out; until the undrafted tick's row count is timed, "auto" runs it without drafts (below the fewest rows
+timed a step would look as dear as those, and any draft free). The draft model's own steps
+(engine/core/draft_model.py) are not counted here: it times them itself, and each token it drafts costs one
+(`best_length`'s `per_token`).
 """
 
 EMA = 0.2  # weight of the newest observation of a row count's step time
@@ -56,16 +60,26 @@ class StepCosts:
         t0, t1 = self.seconds[below], self.seconds[above]
         return t0 + (t1 - t0) * (rows - below) / (above - below)
 
-    def best_length(self, base_rows: int, kept: list[float], longest: int, shortest: int = 1) -> int:
+    def rate(self, base_rows: int, kept: list[float], length: int, per_token: float = 0.0) -> float:
+        """Expected tokens per second of a draft of `length` (see `best_length`; something must be timed)."""
+        return (1.0 + sum(kept[:length])) / (self.cost(base_rows + length) + per_token * length)
+
+    def timed(self, rows: int) -> bool:
+        """Whether a step of `rows` rows was timed. Below the fewest rows timed a step is taken to cost what
+        that one did, which would make any draft look free: "auto" times the undrafted tick first."""
+        return rows in self.seconds
+
+    def best_length(self, base_rows: int, kept: list[float], longest: int, shortest: int = 1,
+                    per_token: float = 0.0) -> int:
         """The draft length in [shortest, longest] that yields the most tokens per second for a sequence whose
         step already has `base_rows` rows (one per decoding sequence), `kept[j - 1]` being the chance that a
-        draft's first j tokens are kept; `longest` while nothing was measured."""
+        draft's first j tokens are kept and `per_token` the seconds each drafted token takes to make (a draft
+        model's forward); `longest` while nothing was measured."""
         if longest <= shortest or not self.seconds:
             return longest
-        best, best_rate, gain = shortest, 0.0, 1.0 + sum(kept[:shortest])
+        best, best_rate = shortest, 0.0
         for length in range(shortest, longest + 1):
-            gain += kept[length - 1] if length > shortest else 0.0
-            rate = gain / self.cost(base_rows + length)
+            rate = self.rate(base_rows, kept, length, per_token)
             if rate > best_rate * (1 + 1e-9):
                 best, best_rate = length, rate
         return best

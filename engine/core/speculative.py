@@ -26,7 +26,8 @@ Guarantees:
   its row yields. For a draft proposed without a model this is exactly speculative sampling: a token
   equal to the draft is accepted with probability p(draft), and on a mismatch the row's token is drawn
   from p without the draft token (the residual distribution);
-- with a draft model (engine/core/draft_model.py, where no model-free draft exists): a greedy row's draft
+- with a draft model (engine/core/draft_model.py, where no model-free draft exists, or under "auto" where it
+  promises more tokens a second than the lookup draft, its own cost a token counted): a greedy row's draft
   is checked as above (output unchanged); a sampled row's draft was drawn from the draft model's q and is
   accepted by standard speculative sampling (`_accept_drawn`): the output follows the target's
   distribution exactly, and is reproducible for a seed, but is not the draw the seed gives without drafts;
@@ -119,7 +120,8 @@ class SpeculativeDecoder:
                  max_model_len: int, *, always: bool = True,
                  persistent: Callable[[str], Sequence | None] = lambda seq_id: None, drafter=None):
         """`persistent`: a persistent sequence by id (a fork's parent is a draft source), None if gone.
-        `drafter`: a `DraftModel` (engine/core/draft_model.py) drafting where no model-free draft exists."""
+        `drafter`: a `DraftModel` (engine/core/draft_model.py) drafting where no model-free draft exists (or,
+        under "auto", where it pays more than the lookup: `_model_pays_more`)."""
         self.scheduler, self.sampler, self.outputs = scheduler, sampler, outputs
         self.persistent, self.drafter = persistent, drafter
         self.k, self.max_model_len, self.always = k, max_model_len, always
@@ -131,7 +133,9 @@ class SpeculativeDecoder:
         """Give every eligible running sequence a draft (the scheduler may still drop it for room); with
         `always` off, only while few sequences decode and nothing prefills (`_quiet`)."""
         running = self.scheduler.running
-        quiet = self.always or self._quiet(running)
+        # "auto" prices a draft against the same tick without one: until a tick of that many rows was timed
+        # (a fresh engine; every tick drafted since), it runs one without drafts, which times it
+        quiet = self.always or (self._quiet(running) and self.costs.timed(len(running)))
         by_model = []  # (sequence, room): no free draft, the draft model's then
         for seq in running:
             seq.draft, seq.draft_q, seq.draft_match = [], None, 0
@@ -139,10 +143,23 @@ class SpeculativeDecoder:
             seq.draft = self._draft_for(seq, room) if room > 0 else []
             if seq.draft_pause > 0 and not self.always:
                 seq.draft_pause -= 1
-            elif room > 0 and not seq.draft and self.drafter is not None:
-                by_model.append((seq, self._paced(seq, room)))
+            elif room > 0 and self.drafter is not None and (not seq.draft or self._model_pays_more(seq, room)):
+                seq.draft, seq.draft_match = [], 0
+                by_model.append((seq, self._paced(seq, room, self.drafter.token_seconds)))
         if by_model:
             self._model_drafts(by_model)
+
+    def _model_pays_more(self, seq: Sequence, room: int) -> bool:
+        """Under "auto", whether the draft model is expected to yield more tokens per second than the sequence's
+        lookup draft this tick (a short match in an answer that paraphrases: the model's drafts are kept far
+        more often, at a draft forward a token). A followed text's draft is never replaced."""
+        if not seq.draft_match or not self.costs.seconds:
+            return False
+        base, ts = len(self.scheduler.running), self.drafter.token_seconds
+        lookup = self.costs.rate(base, self.matches.survival(seq.draft_match, len(seq.draft)), len(seq.draft))
+        length = self._paced(seq, room, ts)
+        model = self.costs.rate(base, geometric(kept_rate(seq.drafts_kept, seq.drafts_missed), length), length, ts)
+        return model > lookup
 
     def _quiet(self, running: list[Sequence]) -> bool:
         """"auto" drafts only in a tick that is all decodes of few sequences: there the step streams every
@@ -168,14 +185,15 @@ class SpeculativeDecoder:
         """How many tokens the sequence may draft this tick at most: k, within max_tokens and the context."""
         return min(self.k, seq.params.max_tokens - seq.num_generated - 1, self.max_model_len - len(seq.token_ids) - 1)
 
-    def _paced(self, seq: Sequence, room: int) -> int:
+    def _paced(self, seq: Sequence, room: int, token_seconds: float = 0.0) -> int:
         """A followed text's or the draft model's length: the sequence's adaptive length within `room`; under
-        "auto" also no longer than pays for its acceptance on this machine's step costs (draft_cost.py)."""
+        "auto" also no longer than pays for its acceptance on this machine's step costs (draft_cost.py), each
+        drafted token costing `token_seconds` more to make (the draft model's forward; a followed text's is free)."""
         room = min(seq.draft_len or self.k, room)
         if self.always or room <= 1:
             return room
         a = kept_rate(seq.drafts_kept, seq.drafts_missed)
-        return self.costs.best_length(len(self.scheduler.running), geometric(a, room), room)
+        return self.costs.best_length(len(self.scheduler.running), geometric(a, room), room, per_token=token_seconds)
 
     def _draft_for(self, seq: Sequence, room: int) -> list[int]:
         followed = self._followed(seq)

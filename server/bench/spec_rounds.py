@@ -6,8 +6,8 @@
     python -m server.bench.spec_rounds llama --model G --llama-server BIN --workloads quote,edit,summarise --out DIR
     python -m server.bench.spec_rounds report DIR [--plot server/bench/results/speculative_http.png]
 
-`run`: per round, per workload, a fresh `cellserve serve --speculative auto` and a fresh `--speculative off`
-(the order flips every round, so neither always runs first), each measured at every client count with
+`run`: per round, per workload, a fresh `cellserve serve --speculative auto` (plus `--auto-args`: a draft
+model) and a fresh `--speculative off` (the order flips every round, so neither always runs first), each measured at every client count with
 `cellserve bench serve` (closed loop, greedy, the same prompts for both modes: the seed is the round's).
 Every level writes the bench's JSON (`DIR/LABEL-WORKLOAD-MODE-cC-rR.json`) plus one line of `DIR/levels.jsonl`:
 output tok/s (for `regen`: the regenerates' own tokens over their latency), the server's CPU seconds, drafted /
@@ -125,7 +125,7 @@ def run(args) -> None:
             modes = ["auto", "off"] if rnd % 2 else ["off", "auto"]
             for mode in modes:
                 cmd = [*SERVE, "--model", args.model, "--port", str(args.port), "--speculative", mode,
-                       *shlex.split(args.serve_args)]
+                       *shlex.split(args.serve_args), *(shlex.split(args.auto_args) if mode == "auto" else [])]
                 meta = {"label": args.label, "mode": mode, "round": rnd, "server": shlex.join(cmd)}
                 _one_server(args, cmd, meta, workload, args.seed + rnd, out)
 
@@ -159,6 +159,9 @@ def main(argv: list[str] | None = None) -> int:
         s.add_argument("--port", type=int, default=8123)
         s.add_argument("--out", required=True)
         s.add_argument("--serve-args", default="--threads 2 --n-cells 16384 --max-num-batched-tokens 2048")
+        if name == "run":
+            s.add_argument("--auto-args", default="", help="more serve flags for the auto server only, e.g. "
+                           "\"--draft-model smollm2-135m-instruct\" (off refuses a draft model)")
         s.add_argument("--llama-server", default=str(Path.home() / ".cache/cellserve-anchor/build/bin/llama-server"))
     r = sub.add_parser("report")
     r.add_argument("dir")

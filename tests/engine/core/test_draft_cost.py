@@ -50,6 +50,31 @@ def test_the_best_length_follows_what_rows_cost():
     assert _costs(Q4_1).best_length(1, [0.9] * 8, 8, 0) == 8 and _costs(Q4_1).best_length(1, [0.1] * 8, 8, 0) == 0
 
 
+def test_a_drafted_tokens_own_cost_shortens_the_draft():
+    """A draft model's token costs a forward of its own (`per_token`): a longer draft must pay for those too."""
+    kept = geometric(0.9, 8)
+    free = _costs(BF16_AMX).best_length(1, kept, 8)
+    dear = _costs(BF16_AMX).best_length(1, kept, 8, per_token=5e-3)
+    assert free == 8 and 1 <= dear < free
+    assert _costs(BF16_AMX).rate(1, kept, 0) == pytest.approx(1 / 23.6e-3)
+    assert _costs(BF16_AMX).rate(1, kept, 2, per_token=1e-3) == pytest.approx((1 + 0.9 + 0.81) / (30.5e-3 + 2e-3))
+
+
+def test_auto_times_an_undrafted_tick_before_it_drafts(model):
+    """Below the fewest rows timed a step is taken to cost what that one did, so a draft would look free: a
+    fresh "auto" engine decodes its first tick without drafts (timing it), then drafts."""
+    tok = shared_tokenizer()
+    cycle = list(range(10, 20))
+    walker = scripted_model(tok, {t: cycle[(i + 1) % len(cycle)] for i, t in enumerate(cycle)})
+    engine = make_engine(model=walker, tokenizer=tok, speculative="auto")
+    engine.add_request("r", cycle * 3, SamplingParams(max_tokens=20, temperature=0), lambda out: None)
+    engine.step()  # the prefill (and its first token)
+    engine.step()
+    assert not engine.speculative.drafted and list(engine.speculative.costs.seconds) == [1]
+    engine.step()
+    assert engine.speculative.drafted > 0  # a 1-row tick is timed: lookups draft now
+
+
 def test_match_acceptance_learns_per_match_length_and_position():
     m = MatchAcceptance(8)
     assert m.survival(3, 2) == pytest.approx([0.7, 0.7 * 0.85])  # the prior (measured): 3-token matches

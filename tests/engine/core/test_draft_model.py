@@ -19,6 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from engine.api.args import EngineArgs
 from engine.api.errors import ModelSourceError
 from engine.api.sampling_params import SamplingParams
+from engine.core.draft_cost import MatchAcceptance
 from engine.core.engine import Engine
 from engine.model.runner import ModelRunner
 
@@ -213,3 +214,28 @@ def test_usage_counts_the_draft_models_tokens(target, draft):
         drafter = spec.drafter
         assert drafter.drafted > 0 and (drafter.accepted < drafter.drafted) == some_refused
         assert spec.accepted >= drafter.accepted and spec.drafted >= drafter.drafted  # n-gram drafts besides
+
+
+def test_auto_prefers_the_model_where_it_pays_more_than_a_lookup(target):
+    """Under "auto" a lookup draft behind a short match (kept seldom) gives way to the draft model when the
+    model's own record and its measured cost a token promise more tokens a second; a long match's lookup
+    (kept almost whole, and free to make) stays. The model's steps are timed (`token_seconds`)."""
+    engine = _engine(target, target, speculative="auto")
+    spec = engine.speculative
+    _run(engine, [prompt(20, 2)], greedy(30))
+    assert spec.drafter.token_seconds > 0 and spec.drafter.drafted > 0
+    for rows in range(1, 10):  # the Q4_1 file's curve: 9 rows ~2.4x one
+        spec.costs.observe(rows, 4.5e-3 + 1.3e-3 * (rows - 1))
+    spec.drafter.token_seconds = 1.0e-3
+    spec.matches = MatchAcceptance(spec.k)  # the measured priors, not what the run above taught it
+    engine.add_request("r", prompt(9, 3) * 3, greedy(20), lambda out: None)
+    engine.step()  # the prefill
+    seq = engine.scheduler.running[0]
+    seq.drafts_kept, seq.drafts_missed = 9.0, 1.0  # its model drafts: 90% kept
+    seq.draft, seq.draft_match = list(range(10, 18)), 1  # a 1-token match: ~30% of its first token kept
+    assert spec._model_pays_more(seq, 8)
+    seq.draft_match = 16  # a 16-token match: 98%
+    assert not spec._model_pays_more(seq, 8)
+    spec.drafter.token_seconds = 50e-3  # a draft model dearer than the target: never worth it
+    seq.draft_match = 1
+    assert not spec._model_pays_more(seq, 8)

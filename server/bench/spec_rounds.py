@@ -51,11 +51,15 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def _spec_counts(url: str) -> tuple[float, float]:
-    """(drafted, accepted) tokens so far, from the server's /metrics (prometheus_client's own parser)."""
+    """(drafted, accepted) tokens so far, from the server's /metrics (prometheus_client's own parser); zeros
+    from a server without them (llama-server answers 501 unless started with --metrics)."""
     try:
-        text = httpx.get(f"{url}/metrics", timeout=10).text
+        r = httpx.get(f"{url}/metrics", timeout=10)
     except httpx.HTTPError:
         return 0.0, 0.0
+    if r.status_code != 200:
+        return 0.0, 0.0
+    text = r.text
     got = {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
     return (got.get("cellserve:spec_decode_num_draft_tokens_total", 0.0),
             got.get("cellserve:spec_decode_num_accepted_tokens_total", 0.0))

@@ -93,6 +93,8 @@ class Engine:
         if args.draft_model is not None:  # its own pool: as many cells and slots as the target's
             draft = ModelRunner.from_pretrained(resolve_model(args.draft_model, args.draft_dtype).path,
                                                 dtype=args.draft_dtype, **{**args.runner_kwargs(), "n_cells": runner.n_cells})
+            if args.warmup:  # its steps: a catch-up prefill, then one row a step
+                draft.warm_up(min(WARMUP_PREFILL, args.max_num_batched_tokens), 0)
         return cls(runner, args, draft)
 
     @property

@@ -7,8 +7,9 @@
     python -m server.bench.spec_rounds report DIR [--plot server/bench/results/speculative_http.png]
 
 `run`: per round, per workload, a fresh `cellserve serve --speculative auto` (plus `--auto-args`: a draft
-model) and a fresh `--speculative off` (the order flips every round, so neither always runs first), each measured at every client count with
-`cellserve bench serve` (closed loop, greedy, the same prompts for both modes: the seed is the round's).
+model) and a fresh `--speculative off` (the order flips every round, so neither always runs first), each
+measured at every client count with `cellserve bench serve` (closed loop, greedy, the same prompts for both
+modes: the seed is the round's).
 Every level writes the bench's JSON (`DIR/LABEL-WORKLOAD-MODE-cC-rR.json`) plus one line of `DIR/levels.jsonl`:
 output tok/s (for `regen`: the regenerates' own tokens over their latency), the server's CPU seconds, drafted /
 accepted tokens (from /metrics) and each request's output digest. `llama`: llama-server with

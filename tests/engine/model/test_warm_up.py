@@ -35,11 +35,13 @@ def test_an_engine_built_from_args_warms_up_unless_told_not_to(model_dir, monkey
     real = ModelRunner.warm_up
     monkeypatch.setattr(ModelRunner, "warm_up", lambda self, *a: (calls.append(a), real(self, *a)))
     outs = []
-    for warmup in (True, False):
-        engine = Engine.from_args(EngineArgs(model=model_dir, n_cells=256, warmup=warmup, max_num_batched_tokens=64))
-        assert engine.cache.used_cells() == 0  # nothing of the warm-up stays
+    for warmup in (True, False):  # with a draft model (the same folder): its runner warms up too
+        engine = Engine.from_args(EngineArgs(model=model_dir, n_cells=256, warmup=warmup, max_num_batched_tokens=64,
+                                             draft_model=model_dir))
+        assert engine.cache.used_cells() == 0 and engine.speculative.drafter.cache.used_cells() == 0
         outs.append(_greedy(engine, [5, 9, 11, 4]))
-    assert calls == [(64, EngineArgs().num_speculative_tokens)]  # the prefill capped by max_num_batched_tokens
+    # the prefill capped by max_num_batched_tokens; the draft model drafts one row a step
+    assert calls == [(64, EngineArgs().num_speculative_tokens), (64, 0)]
     assert outs[0] == outs[1]
 
 

@@ -27,10 +27,10 @@ copy of a linear's weight. `QuantLinear` has `Linear`'s interface
   oneDNN): the weight is dequantized to bf16 one tile of `TILE_BYTES` at a time
   (`quant_dequant_bf16`, vectorized) and multiplied by torch's bf16 matmul with x rounded to bf16;
   error: the three bf16 roundings (x, W, the output), within the bound the tests state.
-  A tiled weight's rows are untiled one tile of rows at a time first (`TiledWeight.untile`).
+  A tiled weight's rows are read straight from its tiles (`quant_tiles_bf16`: bitwise the same bf16 rows).
   The crossovers were measured (`python -m engine.bench.quant_kernels`, docs/performance.md issue 26):
   the GEMM wins from ~16 rows for the K-quants (their row kernel is faster to 12 rows), up to ~64-96
-  rows, bf16 tiles above; quant_tiles up to ~128 rows (a bf16 step dequantizes every weight first); the GEMM is 5-20x faster than the
+  rows, bf16 tiles above; quant_tiles up to ~80 rows (a bf16 step dequantizes every weight first); the GEMM is 5-20x faster than the
   fp32 tiles below at every row count, bf16 tiles 2-6x at 512 rows.
 - no VNNI (the row kernel would run in plain C), `gemm` switched off past the row kernel's rows (the
   bench's A/B baseline), or no kernels: the weight dequantized to float32 one tile of `TILE_BYTES` at a
@@ -62,11 +62,11 @@ TILE_BYTES = 8 << 20  # float32 bytes of weight unpacked at once on the fp32-til
 ROW_KERNEL_ROWS = 3
 K_ROW_KERNEL_ROWS = 8
 BF16_ROWS = 80  # from this many rows bf16 tiles, where the CPU multiplies bf16 natively (measured: 64-96)
-# Tiled weights hold out longer on quant_tiles: a bf16 step untiles and dequantizes every weight first (~30 ms
-# for SmolLM2's Q4_1 file), which quant_tiles never pays. Its prefill steps, 2 threads, tiles / bf16: 96 rows
-# 51-53 / 74-80 ms, 112 rows 59-60 / 63-66, 144 rows 76-77 / 71-74, 400 rows 216-232 / 148 (docs/performance.md,
-# seventh session).
-TILED_BF16_ROWS = 128
+# Tiled weights: a bf16 step dequantizes every weight first (straight from the tiles, `quant_tiles_bf16`: ~11 ms
+# for SmolLM2's Q4_1 file; untiling them first took ~13 ms more), which quant_tiles never pays. Its prefill steps,
+# 2 threads, tiles / bf16: 72 rows 39-40 / 41.5-41.8 ms, 88 rows 46.4-47.4 / 44.4-44.8, 104 rows 54.6-55.1 /
+# 48.1-48.6, 120 rows 62.9-63.6 / 50.8-52.3 (docs/performance.md, eighth session).
+TILED_BF16_ROWS = 80
 INTEGER_PATHS = ("tiles", "rows", "gemm")  # `QuantLinear.path`s that run in integers, the op fused
 
 
@@ -130,6 +130,8 @@ class QuantLinear:
 
     def _tile(self, r0: int, r1: int, bf16: bool) -> torch.Tensor:
         w = self.weight
+        if self.tiled and bf16:  # straight from the tiles, no row-layout copy (bitwise the untiled rows' bf16)
+            return torch.ops.cellserve.quant_tiles_bf16(w.tensors(), self.kind, w.n, w.parts, r0, r1)
         if self.tiled:  # those rows in the row layout the dequantizing kernels read
             w, r0, r1 = w.untile(r0, r1), 0, r1 - r0
         if bf16:

@@ -10,8 +10,9 @@ each row bitwise as alone at every row count (engine/model/native/rows.py).
 
 `TiledWeight.of(w, parts)` tiles a `QuantWeight` once (`tileable`: K a whole number of 64-weight pairs) (parts = 2 for a [gate; up] weight: each half is
 tiled apart, so a tile never holds rows of both and `swiglu` pairs tile i with tile T/2 + i); it is then
-the only copy. Whatever reads rows (an embedding lookup of a tied table, the bf16/fp32 tile paths of
-prefill, the eager path) asks `untile(r0, r1)` or `rows(index)` for those rows in the row layout.
+the only copy. Whatever reads rows (an embedding lookup of a tied table, the fp32 tile path of prefill, the
+eager path) asks `untile(r0, r1)` or `rows(index)` for those rows in the row layout; the bf16 tile path of
+prefill reads them straight from the tiles (`quant_tiles_bf16`, bitwise the untiled rows' bf16).
 """
 
 from dataclasses import dataclass

@@ -106,7 +106,8 @@ def test_every_row_as_alone(kind, op):
 
 
 def test_quant_linear_keeps_tiles_and_untiles_for_dequantizing_paths():
-    """QuantLinear tiles the 32-weight kinds (one copy) and the fp32/bf16 tile paths read those rows untiled;
+    """QuantLinear tiles the 32-weight kinds (one copy) and the fp32 tile path reads those rows untiled (the bf16
+    one straight from the tiles: test_bf16_rows_straight_from_the_tiles_are_the_untiled_rows);
     a [gate; up] weight of odd halves (not whole tiles) still gives swiglu."""
     w, ref = _weight("q4_1", 70, 192, seed=4)
     lin = QuantLinear(w, parts=2)
@@ -121,18 +122,19 @@ def test_quant_linear_keeps_tiles_and_untiles_for_dequantizing_paths():
 
 def test_tiled_weights_stay_on_tiles_past_the_row_layouts_bf16_crossover():
     """A bf16 step dequantizes the whole weight first, which quant_tiles never pays: tiled weights switch to bf16
-    tiles only from TILED_BF16_ROWS rows (row-layout weights from BF16_ROWS), and agree with the reference on
-    both sides of it."""
+    tiles only from TILED_BF16_ROWS rows (no sooner than row-layout weights, from BF16_ROWS), and agree with
+    the reference on both sides of it."""
     if not torch.ops.cellserve.quant_bf16_fast():
         pytest.skip("bf16 tiles are taken only on CPUs with AVX512-BF16")
     w, ref = _weight("q4_1", 48, 128, seed=9)
     lin = QuantLinear(w)
     lin.small = True
-    assert lin.tiled and BF16_ROWS < TILED_BF16_ROWS
+    assert lin.tiled and BF16_ROWS <= TILED_BF16_ROWS
     x = torch.randn(TILED_BF16_ROWS, 128, generator=torch.Generator().manual_seed(3))
-    assert lin.path(x[:BF16_ROWS]) == lin.path(x[: TILED_BF16_ROWS - 1]) == "tiles" and lin.path(x) == "bf16"
-    xr, _ = _round_activations(x[:BF16_ROWS], "q4_1")  # tiles: int8 activations, exact sums
-    torch.testing.assert_close(lin(x[:BF16_ROWS]), (xr.double() @ ref.double().T).float(), atol=2e-4, rtol=0)
+    below = x[: TILED_BF16_ROWS - 1]
+    assert lin.path(below) == "tiles" and lin.path(x) == "bf16"
+    xr, _ = _round_activations(below, "q4_1")  # tiles: int8 activations, exact sums
+    torch.testing.assert_close(lin(below), (xr.double() @ ref.double().T).float(), atol=2e-4, rtol=0)
     want = F.linear(x, ref)
     bound = (x.abs() @ ref.abs().T) * 2**-8 + want.abs() * 2**-8 + 1e-4  # bf16 tiles: x, W and y rounded
     assert ((lin(x) - want).abs() <= bound).all()
@@ -165,3 +167,21 @@ def test_untile_any_range(parts):
         assert got.shape == (r1 - r0, 128)
         assert all(torch.equal(a, b[r0:r1]) for a, b in zip(got.fields(), w.fields()) if a is not None)
         assert all(a.is_contiguous() for a in got.fields() if a is not None)
+
+
+@pytest.mark.parametrize("kind", TILED_KINDS)
+@pytest.mark.parametrize("parts", [1, 2])
+def test_bf16_rows_straight_from_the_tiles_are_the_untiled_rows(kind, parts):
+    """The bf16 path of prefill reads rows straight from the tiles (`quant_tiles_bf16`): bitwise what untiling
+    them and `quant_dequant_bf16` give, for ranges inside tiles, across the [gate; up] halves and empty."""
+    if not torch.ops.cellserve.quant_bf16_fast():
+        pytest.skip("quant_tiles_bf16 needs AVX-512 VNNI and AVX512-BF16")
+    w, _ = _weight(kind, 70, 256, seed=9)
+    t = TiledWeight.of(w, parts=parts)
+    for r0, r1 in [(0, 70), (3, 30), (17, 35), (30, 41), (69, 70)]:
+        got = torch.ops.cellserve.quant_tiles_bf16(t.tensors(), KIND_IDS[kind], 70, parts, r0, r1)
+        want = torch.ops.cellserve.quant_dequant_bf16(t.untile(r0, r1).tensors(), KIND_IDS[kind], 0, r1 - r0)
+        assert got.dtype == torch.bfloat16 and got.shape == (r1 - r0, 256) and torch.equal(got, want)
+    assert torch.ops.cellserve.quant_tiles_bf16(t.tensors(), KIND_IDS[kind], 70, parts, 20, 20).shape == (0, 256)
+    with pytest.raises(RuntimeError, match="rows out of range"):
+        torch.ops.cellserve.quant_tiles_bf16(t.tensors(), KIND_IDS[kind], 70, parts, 10, 71)

@@ -151,6 +151,25 @@ inline __m512i round_away(__m512 v) {
   return _mm512_cvttps_epi32(_mm512_mask_add_ps(t, up, t, _mm512_or_ps(sign, _mm512_set1_ps(1.f))));
 }
 
+// chunk c (16 values) of a pair's 64 bytes as floats
+inline __m512 chunk_floats(__m512i q, int c) {
+  __m128i b;
+  switch (c) {
+    case 0: b = _mm512_extracti32x4_epi32(q, 0); break;
+    case 1: b = _mm512_extracti32x4_epi32(q, 1); break;
+    case 2: b = _mm512_extracti32x4_epi32(q, 2); break;
+    default: b = _mm512_extracti32x4_epi32(q, 3); break;
+  }
+  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
+}
+
+// A 4-bit pair's 32 packed bytes as its 64 unsigned values in the kernels' order (low nibbles, then high).
+inline __m512i unpack_nibbles(__m256i v) {
+  const __m256i mask = _mm256_set1_epi8(0x0F);
+  const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
 // The 64 unsigned weight values of pair p (the second block zero when `half`), in the kernels' order.
 template <int KIND>
 inline __m512i load_pair(const Row& r, int64_t p, bool half) {
@@ -160,9 +179,7 @@ inline __m512i load_pair(const Row& r, int64_t p, bool half) {
   }
   const uint8_t* src = r.qs + p * 32;
   const __m256i v = half ? _mm256_maskz_loadu_epi8(0xFFFFu, src) : _mm256_loadu_si256((const __m256i*)src);
-  const __m256i mask = _mm256_set1_epi8(0x0F);
-  const __m256i lo = _mm256_and_si256(v, mask), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-  __m512i w = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+  __m512i w = unpack_nibbles(v);
   if (KIND == Q5_K || KIND == Q6_K) {
     constexpr int planes = KIND == Q5_K ? 1 : 2;
     uint64_t b4;

@@ -231,18 +231,6 @@ at::Tensor quant_dequant(at::TensorList wl, int64_t kind, int64_t r0, int64_t r1
 #if defined(CELLSERVE_QUANT_VNNI) && defined(__AVX512BF16__)
 constexpr bool kBf16 = true;
 
-// chunk c (16 values) of a pair's 64 bytes as floats
-inline __m512 chunk_floats(__m512i q, int c) {
-  __m128i b;
-  switch (c) {
-    case 0: b = _mm512_extracti32x4_epi32(q, 0); break;
-    case 1: b = _mm512_extracti32x4_epi32(q, 1); break;
-    case 2: b = _mm512_extracti32x4_epi32(q, 2); break;
-    default: b = _mm512_extracti32x4_epi32(q, 3); break;
-  }
-  return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(b));
-}
-
 // rows [a, b) of W as bf16: the fp32 values quant_dequant gives (dv * (q - z), then + mv; no fused
 // multiply-add), each rounded to nearest even
 template <int KIND>

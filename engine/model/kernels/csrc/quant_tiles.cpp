@@ -166,6 +166,43 @@ constexpr bool kVnni = true;
 constexpr bool kVnni = false;
 #endif
 
+#if defined(CELLSERVE_QUANT_VNNI) && defined(__AVX512BF16__)
+// Weight rows [a, b) as bf16 rows of out (row r0 first): bitwise what untiling them and quant_dequant_bf16 give
+// (dv * (q - z), then + mv, no fused multiply-add, rounded to nearest even), without the row-layout copy: a
+// row's pair bytes are gathered from its lane of the tile's records (one 4-byte lane a record, in order).
+template <int KIND>
+__attribute__((optimize("fp-contract=off"))) void tiles_bf16_rows(const Tiled& w, int64_t r0, int64_t a, int64_t b,
+                                                                   at::BFloat16* out) {
+  constexpr int64_t records = kRecords<KIND>;
+  const __m512 z = _mm512_set1_ps(static_cast<float>(zero_point(KIND)));
+  const __m512i at_record = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                               _mm512_set1_epi32(16));  // record l's lane 0, in int32s
+  const int64_t k = w.pairs * 64;
+  for (int64_t n = a; n < b; ++n) {
+    const int64_t part = n / w.part_rows, within = n % w.part_rows;
+    const int64_t t = part * w.part_tiles + within / 16, j = within % 16;
+    const int32_t* lanes = reinterpret_cast<const int32_t*>(w.qs) + t * w.pairs * records * 16 + j;
+    const c10::Half* d = w.d + t * w.pairs * 32 + j;
+    const c10::Half* m = w.m ? w.m + t * w.pairs * 32 + j : nullptr;
+    at::BFloat16* dst = out + (n - r0) * k;
+    for (int64_t p = 0; p < w.pairs; ++p) {
+      const int32_t* rec = lanes + p * records * 16;
+      const __m512i q = KIND == Q8_0 ? _mm512_i32gather_epi32(at_record, rec, 4)
+                                     : unpack_nibbles(_mm256_i32gather_epi32(rec, _mm512_castsi512_si256(at_record), 4));
+      for (int c = 0; c < 4; ++c) {
+        const int g = chunk_block(KIND, c), half = chunk_half(KIND, c);
+        __m512 v = _mm512_mul_ps(_mm512_set1_ps(static_cast<float>(d[(p * 2 + g) * 16])), _mm512_sub_ps(chunk_floats(q, c), z));
+        if (KIND == Q4_1) v = _mm512_add_ps(v, _mm512_set1_ps(static_cast<float>(m[(p * 2 + g) * 16])));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + p * 64 + g * 32 + half * 16), (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+  }
+}
+constexpr bool kTilesBf16 = true;
+#else
+constexpr bool kTilesBf16 = false;
+#endif
+
 const c10::Half* halves(const at::Tensor& t, const at::Tensor& qs, int64_t pairs, const char* what) {
   TORCH_CHECK(t.dim() == 4 && t.is_contiguous() && t.scalar_type() == at::kHalf && t.size(0) == qs.size(0) &&
                   t.size(1) == pairs && t.size(2) == 2 && t.size(3) == 16,
@@ -230,10 +267,45 @@ at::Tensor quant_tiles(const at::Tensor& x, at::TensorList wl, int64_t kind, int
   return y;
 }
 
+// Weight rows [r0, r1) of tiles as bf16 rows [r1 - r0, K] (the bf16 path of prefill; see tiles_bf16_rows).
+at::Tensor quant_tiles_bf16(at::TensorList wl, int64_t kind, int64_t n, int64_t parts, int64_t r0, int64_t r1) {
+  TORCH_CHECK(kTilesBf16, "quant_tiles_bf16 needs AVX-512 VNNI and AVX512-BF16; untile the rows instead");
+  TORCH_CHECK(kind == Q8_0 || kind == Q4_0 || kind == Q4_1, "quant_tiles_bf16: kind must be q8_0, q4_0 or q4_1 (0..2)");
+  TORCH_CHECK(wl.size() == 3, "quant_tiles_bf16: the weight is [qs, d, m] (m empty but for q4_1)");
+  const at::Tensor& qs = wl[0];
+  const int64_t records = kind == Q8_0 ? 16 : 8;
+  TORCH_CHECK(qs.dim() == 5 && qs.is_contiguous() && qs.scalar_type() == at::kByte && qs.size(2) == records &&
+                  qs.size(3) == 16 && qs.size(4) == 4,
+              "quant_tiles_bf16: qs must be contiguous uint8 [T, P, ", records, ", 16, 4]");
+  TORCH_CHECK(parts >= 1 && n % parts == 0 && qs.size(0) % parts == 0, "quant_tiles_bf16: n and the tiles must split into `parts`");
+  Tiled w{qs.data_ptr<uint8_t>(), nullptr, nullptr, qs.size(1), qs.size(0), n / parts, qs.size(0) / parts};
+  TORCH_CHECK(w.part_tiles == (w.part_rows + 15) / 16, "quant_tiles_bf16: each part must be ceil(rows / 16) tiles");
+  TORCH_CHECK(0 <= r0 && r0 <= r1 && r1 <= n, "quant_tiles_bf16: rows out of range");
+  w.d = halves(wl[1], qs, w.pairs, "d");
+  TORCH_CHECK((wl[2].numel() > 0) == (kind == Q4_1), "quant_tiles_bf16: m is given exactly for q4_1");
+  if (kind == Q4_1) w.m = halves(wl[2], qs, w.pairs, "m");
+  auto out = at::empty({r1 - r0, w.pairs * 64}, qs.options().dtype(at::kBFloat16));
+#if defined(CELLSERVE_QUANT_VNNI) && defined(__AVX512BF16__)
+  at::BFloat16* op = out.data_ptr<at::BFloat16>();
+  at::parallel_for(r0, r1, 8, [&](int64_t a, int64_t b) {
+    switch (kind) {
+      case Q8_0: tiles_bf16_rows<Q8_0>(w, r0, a, b, op); break;
+      case Q4_0: tiles_bf16_rows<Q4_0>(w, r0, a, b, op); break;
+      default: tiles_bf16_rows<Q4_1>(w, r0, a, b, op); break;
+    }
+  });
+#endif
+  return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(cellserve, m) {
   m.def("quant_tiles(Tensor x, Tensor[] w, int kind, int n, int parts, Tensor? bias, Tensor? other, str op) -> Tensor");
+  m.def("quant_tiles_bf16(Tensor[] w, int kind, int n, int parts, int r0, int r1) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(cellserve, CPU, m) { m.impl("quant_tiles", &quant_tiles); }
+TORCH_LIBRARY_IMPL(cellserve, CPU, m) {
+  m.impl("quant_tiles", &quant_tiles);
+  m.impl("quant_tiles_bf16", &quant_tiles_bf16);
+}

@@ -210,23 +210,29 @@ const c10::Half* halves(const at::Tensor& t, const at::Tensor& qs, int64_t pairs
   return reinterpret_cast<const c10::Half*>(t.data_ptr());
 }
 
-at::Tensor quant_tiles(const at::Tensor& x, at::TensorList wl, int64_t kind, int64_t n, int64_t parts,
-                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& other,
-                       c10::string_view op_view) {
-  TORCH_CHECK(kVnni, "quant_tiles needs AVX-512 VNNI; without it QuantLinear untiles the weight (fp32 tiles)");
-  TORCH_CHECK(kind == Q8_0 || kind == Q4_0 || kind == Q4_1, "quant_tiles: kind must be q8_0, q4_0 or q4_1 (0..2)");
-  TORCH_CHECK(wl.size() == 3, "quant_tiles: the weight is [qs, d, m] (m empty but for q4_1)");
+// The tiled weight [qs, d, m] of `n` rows in `parts` parts, checked (errors name `op`).
+Tiled tiled_of(at::TensorList wl, int64_t kind, int64_t n, int64_t parts, const char* op) {
+  TORCH_CHECK(kind == Q8_0 || kind == Q4_0 || kind == Q4_1, op, ": kind must be q8_0, q4_0 or q4_1 (0..2)");
+  TORCH_CHECK(wl.size() == 3, op, ": the weight is [qs, d, m] (m empty but for q4_1)");
   const at::Tensor& qs = wl[0];
   const int64_t records = kind == Q8_0 ? 16 : 8;
   TORCH_CHECK(qs.dim() == 5 && qs.is_contiguous() && qs.scalar_type() == at::kByte && qs.size(2) == records &&
                   qs.size(3) == 16 && qs.size(4) == 4,
-              "quant_tiles: qs must be contiguous uint8 [T, P, ", records, ", 16, 4]");
-  TORCH_CHECK(parts >= 1 && n % parts == 0 && qs.size(0) % parts == 0, "quant_tiles: n and the tiles must split into `parts`");
+              op, ": qs must be contiguous uint8 [T, P, ", records, ", 16, 4]");
+  TORCH_CHECK(parts >= 1 && n % parts == 0 && qs.size(0) % parts == 0, op, ": n and the tiles must split into `parts`");
   Tiled w{qs.data_ptr<uint8_t>(), nullptr, nullptr, qs.size(1), qs.size(0), n / parts, qs.size(0) / parts};
-  TORCH_CHECK(w.part_tiles == (w.part_rows + 15) / 16, "quant_tiles: each part must be ceil(rows / 16) tiles");
+  TORCH_CHECK(w.part_tiles == (w.part_rows + 15) / 16, op, ": each part must be ceil(rows / 16) tiles");
   w.d = halves(wl[1], qs, w.pairs, "d");
-  TORCH_CHECK((wl[2].numel() > 0) == (kind == Q4_1), "quant_tiles: m is given exactly for q4_1");
+  TORCH_CHECK((wl[2].numel() > 0) == (kind == Q4_1), op, ": m is given exactly for q4_1");
   if (kind == Q4_1) w.m = halves(wl[2], qs, w.pairs, "m");
+  return w;
+}
+
+at::Tensor quant_tiles(const at::Tensor& x, at::TensorList wl, int64_t kind, int64_t n, int64_t parts,
+                       const std::optional<at::Tensor>& bias, const std::optional<at::Tensor>& other,
+                       c10::string_view op_view) {
+  TORCH_CHECK(kVnni, "quant_tiles needs AVX-512 VNNI; without it QuantLinear untiles the weight (fp32 tiles)");
+  Tiled w = tiled_of(wl, kind, n, parts, "quant_tiles");
   const int64_t k = w.pairs * 64;
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == at::kFloat && x.size(0) >= 1 &&
                   x.size(1) == k,
@@ -270,21 +276,9 @@ at::Tensor quant_tiles(const at::Tensor& x, at::TensorList wl, int64_t kind, int
 // Weight rows [r0, r1) of tiles as bf16 rows [r1 - r0, K] (the bf16 path of prefill; see tiles_bf16_rows).
 at::Tensor quant_tiles_bf16(at::TensorList wl, int64_t kind, int64_t n, int64_t parts, int64_t r0, int64_t r1) {
   TORCH_CHECK(kTilesBf16, "quant_tiles_bf16 needs AVX-512 VNNI and AVX512-BF16; untile the rows instead");
-  TORCH_CHECK(kind == Q8_0 || kind == Q4_0 || kind == Q4_1, "quant_tiles_bf16: kind must be q8_0, q4_0 or q4_1 (0..2)");
-  TORCH_CHECK(wl.size() == 3, "quant_tiles_bf16: the weight is [qs, d, m] (m empty but for q4_1)");
-  const at::Tensor& qs = wl[0];
-  const int64_t records = kind == Q8_0 ? 16 : 8;
-  TORCH_CHECK(qs.dim() == 5 && qs.is_contiguous() && qs.scalar_type() == at::kByte && qs.size(2) == records &&
-                  qs.size(3) == 16 && qs.size(4) == 4,
-              "quant_tiles_bf16: qs must be contiguous uint8 [T, P, ", records, ", 16, 4]");
-  TORCH_CHECK(parts >= 1 && n % parts == 0 && qs.size(0) % parts == 0, "quant_tiles_bf16: n and the tiles must split into `parts`");
-  Tiled w{qs.data_ptr<uint8_t>(), nullptr, nullptr, qs.size(1), qs.size(0), n / parts, qs.size(0) / parts};
-  TORCH_CHECK(w.part_tiles == (w.part_rows + 15) / 16, "quant_tiles_bf16: each part must be ceil(rows / 16) tiles");
+  const Tiled w = tiled_of(wl, kind, n, parts, "quant_tiles_bf16");
   TORCH_CHECK(0 <= r0 && r0 <= r1 && r1 <= n, "quant_tiles_bf16: rows out of range");
-  w.d = halves(wl[1], qs, w.pairs, "d");
-  TORCH_CHECK((wl[2].numel() > 0) == (kind == Q4_1), "quant_tiles_bf16: m is given exactly for q4_1");
-  if (kind == Q4_1) w.m = halves(wl[2], qs, w.pairs, "m");
-  auto out = at::empty({r1 - r0, w.pairs * 64}, qs.options().dtype(at::kBFloat16));
+  auto out = at::empty({r1 - r0, w.pairs * 64}, wl[0].options().dtype(at::kBFloat16));
 #if defined(CELLSERVE_QUANT_VNNI) && defined(__AVX512BF16__)
   at::BFloat16* op = out.data_ptr<at::BFloat16>();
   at::parallel_for(r0, r1, 8, [&](int64_t a, int64_t b) {

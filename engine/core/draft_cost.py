@@ -26,6 +26,11 @@ DECAY = 0.8  # per verification: a sequence's recent drafts weigh most
 PRIOR_KEPT, PRIOR_MISSED = 4.0, 1.0  # a sequence that has not drafted yet: ~80% of drafted tokens kept
 
 
+def ema(prev: float | None, seconds: float) -> float:
+    """A step time's running estimate: the first observation, then each newest one weighing EMA."""
+    return seconds if prev is None else prev + EMA * (seconds - prev)
+
+
 def kept_rate(kept: float, missed: float) -> float:
     """Per-token acceptance: tokens kept over tokens kept plus the misses that ended drafts (geometric MLE)."""
     return kept / (kept + missed) if kept + missed > 0 else 0.0
@@ -43,8 +48,7 @@ class StepCosts:
         self.seconds: dict[int, float] = {}
 
     def observe(self, rows: int, seconds: float) -> None:
-        prev = self.seconds.get(rows)
-        self.seconds[rows] = seconds if prev is None else prev + EMA * (seconds - prev)
+        self.seconds[rows] = ema(self.seconds.get(rows), seconds)
 
     def cost(self, rows: int) -> float | None:
         """The step time of `rows` rows: measured, else interpolated between the row counts around it, else

@@ -26,7 +26,7 @@ import time
 import torch
 
 from engine.api.errors import ModelSourceError
-from engine.core.draft_cost import EMA
+from engine.core.draft_cost import ema
 from engine.core.sequence import Sequence
 from engine.model.flat_step import flatten_step
 from engine.model.runner import ModelRunner
@@ -55,7 +55,7 @@ class DraftModel:
         self.held = [0] * self.cache.max_seqs  # slot -> the draft holds positions [0, held)
         self.fed: dict[int, tuple[Sequence, int, list[int]]] = {}  # slot -> (seq, start, its draft this tick)
         self.drafted = self.accepted = 0  # this model's tokens proposed / kept (a part of SpeculativeDecoder's)
-        self.token_seconds = 0.0  # what one drafting step takes (an EMA, catch-up steps not counted): a token's cost
+        self.token_seconds = 0.0  # what one drafting step takes (an EMA, catch-up steps not counted; 0 until timed)
 
     # ----- the scheduler's mirror: the target's cells changed ----------------------------------
     def released(self, slot: int) -> None:
@@ -96,7 +96,7 @@ class DraftModel:
             started = time.perf_counter()
             logits = self.runner.forward(flatten_step(chunks))
             if step > 0:  # one drafted token per sequence: what a longer draft costs per token
-                self._timed(time.perf_counter() - started)
+                self.token_seconds = ema(self.token_seconds or None, time.perf_counter() - started)
             for seq in rows:
                 tokens, start = chunks[seq.slot]
                 self.held[seq.slot] = start + len(tokens)
@@ -106,10 +106,6 @@ class DraftModel:
             step += 1
             rows = [seq for _, seq in drafting if rooms[seq] > step]
             chunks = {seq.slot: (seq.draft[-1:], len(seq.token_ids) + step - 1) for seq in rows}
-
-    def _timed(self, seconds: float) -> None:
-        prev = self.token_seconds
-        self.token_seconds = seconds if prev == 0.0 else prev + EMA * (seconds - prev)
 
     def _plan(self, wanted: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int, int]]:
         """(sequence, catch-up tokens, draft length) for this tick, within the catch-up budget (a sequence

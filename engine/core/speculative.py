@@ -152,8 +152,9 @@ class SpeculativeDecoder:
     def _model_pays_more(self, seq: Sequence, room: int) -> bool:
         """Under "auto", whether the draft model is expected to yield more tokens per second than the sequence's
         lookup draft this tick (a short match in an answer that paraphrases: the model's drafts are kept far
-        more often, at a draft forward a token). A followed text's draft is never replaced."""
-        if not seq.draft_match or not self.costs.seconds:
+        more often, at a draft forward a token). A followed text's draft is never replaced. (A lookup draft
+        exists only once this tick's undrafted row count was timed: `propose`.)"""
+        if not seq.draft_match:
             return False
         base, ts = len(self.scheduler.running), self.drafter.token_seconds
         lookup = self.costs.rate(base, self.matches.survival(seq.draft_match, len(seq.draft)), len(seq.draft))

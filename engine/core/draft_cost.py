@@ -102,6 +102,24 @@ PRIOR_TRIED = 2.0  # the prior weighs as much as two drafts
 HALVE_AT = 1000.0  # a bucket's counts halve past this many drafts: recent drafts weigh most
 
 
+# A lookup draft from the sequence's own history behind a match shorter than this is also judged by how its
+# earlier such drafts fared: an answer that paraphrases its prompt keeps almost none of them while the
+# engine-wide rates, learned mostly from answers that copy, expect a third to two thirds kept (a `summarise`
+# answer drafted 5 tokens behind each 2-token match ten times, keeping 2: slower than no drafts). Longer
+# matches are left to the engine-wide rates: there one miss (a renamed identifier in a copied file) says little
+# about the next draft; so are drafts found in a prediction, a parent or a sibling (what they are there for).
+SHORT_MATCH = 4
+SEQ_PRIOR = 1.0  # the engine-wide rate counts as this many of the sequence's own drafts
+SEQ_DECAY = 0.9  # per short-match draft: the sequence's recent drafts weigh most
+
+
+def calibrated(kept: list[float], expected: float, hits: float) -> list[float]:
+    """S(1..) of a short-match lookup draft scaled by the sequence's own record: its short-match drafts kept
+    `hits` tokens where the engine-wide rates expected `expected` kept (decayed sums)."""
+    scale = (hits + SEQ_PRIOR) / (expected + SEQ_PRIOR)
+    return [min(1.0, s * scale) for s in kept]
+
+
 class MatchAcceptance:
     """Per match length and draft position: how often a prompt-lookup draft's j-th token was kept, given that
     the ones before it were (each verification counts the positions it tried: up to the first miss)."""

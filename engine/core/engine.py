@@ -220,7 +220,6 @@ class Engine:
         try:
             started = time.perf_counter()
             logits = self.runner.forward(_flatten(chunks, sample_chunks, prompt_rows))
-            self._observe_cost(chunks, time.perf_counter() - started)
         except Exception as exc:  # one bad step fails its requests, never the engine
             log.exception("forward failed; failing the %d sequences of this step", len(chunks))
             self.outputs.fail_step(chunks, exc, outputs)
@@ -246,12 +245,14 @@ class Engine:
                 self.outputs.fail_step(sample_chunks, exc, outputs)
             for req, choices in news.items():
                 outputs.append(self.outputs.emit(req, choices))
+        self._observe_cost(chunks, time.perf_counter() - started)
         self.outputs.finish_prefills(outputs)
         return self._settle(outputs)
 
     # ----- internals -------------------------------------------------------------------------
     def _observe_cost(self, chunks: list[Chunk], seconds: float) -> None:
-        """A decode-only step's time by its row count: what tells "auto" how long a draft pays here."""
+        """A decode-only step's time by its row count, its forward and its sampling (a verification samples
+        every drafted row): what tells "auto" how long a draft pays here."""
         if self.speculative is not None and all(c.n_tokens == 1 for c in chunks):
             self.speculative.costs.observe(sum(1 + len(c.draft) for c in chunks), seconds)
 

@@ -65,6 +65,10 @@ class Sequence:
     draft_misses: int = 0  # wholly rejected model drafts in a row
     drafts_kept: float = PRIOR_KEPT  # decayed counts of drafted tokens kept and of misses that ended drafts
     drafts_missed: float = PRIOR_MISSED  # (engine/core/draft_cost.py: what draft length pays)
+    short_expected: float = 0.0  # its lookup drafts behind short matches: drafted tokens the engine-wide rates
+    short_hits: float = 0.0  # expected kept, and tokens kept (decayed sums; draft_cost.calibrated)
+    draft_expect: float | None = None  # this tick's own short-match lookup draft: the tokens of it the engine-wide
+    # rates expect kept (None: a draft the sequence's record does not judge)
 
     @property
     def pending(self) -> int:

@@ -41,12 +41,21 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
 from engine.api.outputs import CompletionOutput, TokenLogprob
-from engine.core.draft_cost import DECAY, MATCH_MAX, MatchAcceptance, StepCosts, geometric, kept_rate
+from engine.core.draft_cost import (
+    DECAY,
+    SEQ_DECAY,
+    SHORT_MATCH,
+    MatchAcceptance,
+    StepCosts,
+    calibrated,
+    geometric,
+    kept_rate,
+)
+from engine.core.lookup import NgramIndex, lookup_draft
 from engine.core.output_processor import OutputProcessor
 from engine.core.scheduler import Chunk, Scheduler
 from engine.core.sequence import Request, Sequence
@@ -54,8 +63,6 @@ from engine.sample.sampler import Sampler, advance
 
 log = logging.getLogger("cellserve.speculative")
 
-NGRAM_MAX = 4  # the longest suffix matched against the history (vLLM's prompt_lookup_max default)
-NGRAM_MIN = 1
 # "auto" drafts only while at most this many sequences decode: there one step streams every weight once
 # for few rows, so drafted rows ride almost free; with more, a step is compute-bound and drafts cost.
 AUTO_MAX_DECODING = 4
@@ -64,53 +71,6 @@ AUTO_MAX_DECODING = 4
 # draft forward each, so "auto" also backs off a sequence whose model drafts keep missing: after each wholly
 # rejected one it decodes without the draft model for 2, 4, 8 ... up to this many ticks.
 AUTO_MAX_PAUSE = 64
-
-
-@dataclass
-class Lookup:
-    """A prompt-lookup draft and how many tokens before its source agree with the history's end (the n-gram
-    that found it, extended backwards up to MATCH_MAX): what tells how far it is likely to be kept."""
-
-    tokens: list[int]
-    matched: int = 0
-
-
-def lookup_draft(history: list[int], sources: list[list[int]], k: int) -> Lookup:
-    """Up to k tokens that followed the most recent earlier occurrence of `history`'s last n tokens
-    (longest n first, n in [NGRAM_MIN, NGRAM_MAX]), searched in `history` itself, then in `sources`.
-    One vectorised compare per (n, source): no Python loop over tokens."""
-    if k <= 0 or len(history) < 2:
-        return Lookup([])
-    own = torch.as_tensor(history)
-    others = [torch.as_tensor(s) for s in sources if len(s) > 1]
-    for n in range(min(NGRAM_MAX, len(history) - 1), NGRAM_MIN - 1, -1):
-        key = own[-n:]
-        for i, tokens in enumerate([own, *others]):
-            ends = len(tokens) - 1 if i == 0 else len(tokens)  # own: not the suffix itself
-            if ends - n < 0:
-                continue
-            windows = tokens[:ends].unfold(0, n, 1)
-            hits = (windows == key).all(1).nonzero().flatten().tolist()[-4:]
-            # the most recent few: the first with a whole draft's continuation, else the longest one
-            best, at = [], 0
-            for start in reversed(hits):
-                follow = tokens[start + n : start + n + k].tolist()
-                if len(follow) > len(best):
-                    best, at = follow, start
-                if len(best) == k:
-                    break
-            if best:
-                return Lookup(best, n + _agreeing(tokens[:at], own[:-n], MATCH_MAX - n))
-    return Lookup([])
-
-
-def _agreeing(a: torch.Tensor, b: torch.Tensor, most: int) -> int:
-    """How many tokens at the ends of `a` and `b` agree, counted backwards, at most `most`."""
-    m = min(most, len(a), len(b))
-    if m <= 0:
-        return 0
-    same = (a[len(a) - m :] == b[len(b) - m :]).flip(0)
-    return int(same.cumprod(0).sum())
 
 
 class SpeculativeDecoder:
@@ -128,6 +88,7 @@ class SpeculativeDecoder:
         self.drafted = self.accepted = 0  # tokens proposed / kept, for reports
         self.costs = StepCosts()  # decode-only step times per row count (the engine reports them)
         self.matches = MatchAcceptance(k)  # prompt-lookup drafts kept, by match length and position
+        self.indexes: dict[str, NgramIndex] = {}  # the running sequences' own histories, indexed (lookup.py)
 
     def propose(self) -> None:
         """Give every eligible running sequence a draft (the scheduler may still drop it for room); with
@@ -137,6 +98,7 @@ class SpeculativeDecoder:
         # (a fresh engine; every tick drafted since), it runs one without drafts, which times it
         quiet = self.always or (self._quiet(running) and self.costs.timed(len(running)))
         by_model = []  # (sequence, room): no free draft, the draft model's then
+        self.indexes = {seq.seq_id: self.indexes[seq.seq_id] for seq in running if seq.seq_id in self.indexes}
         for seq in running:
             seq.draft, seq.draft_q, seq.draft_match = [], None, 0
             room = self._room(seq) if quiet and self._eligible(seq) else 0
@@ -204,14 +166,18 @@ class SpeculativeDecoder:
             if ahead and text[: n - start] == seq.token_ids[start:]:  # following it so far: its next tokens
                 return ahead[: self._paced(seq, len(ahead))]
         sources = [text for text, _ in followed] + [s.token_ids for s in seq.request.seqs if s is not seq]
+        index = self.indexes.setdefault(seq.seq_id, NgramIndex())
         if self.always:  # "ngram": as long as the sequence's own adaptive length allows
-            return lookup_draft(seq.token_ids, sources, self._paced(seq, room)).tokens
-        found = lookup_draft(seq.token_ids, sources, room)
+            return lookup_draft(seq.token_ids, sources, self._paced(seq, room), index).tokens
+        found = lookup_draft(seq.token_ids, sources, room, index)
         if not found.tokens:
             return []
-        kept = self.matches.survival(found.matched, len(found.tokens))
+        rates = self.matches.survival(found.matched, len(found.tokens))
+        own_short = found.own and found.matched < SHORT_MATCH  # judged by the sequence's record too
+        kept = calibrated(rates, seq.short_expected, seq.short_hits) if own_short else rates
         draft = found.tokens[: self.costs.best_length(len(self.scheduler.running), kept, len(found.tokens), shortest=0)]
         seq.draft_match = found.matched if draft else 0  # what verify counts this draft's outcome under
+        seq.draft_expect = sum(rates[: len(draft)]) if own_short else None
         return draft
 
     def _followed(self, seq: Sequence) -> list[tuple[list[int], int]]:
@@ -266,6 +232,9 @@ class SpeculativeDecoder:
         model drafts wholly rejected pause the draft model for the sequence."""
         if seq.draft_match:
             self.matches.observe(seq.draft_match, drafted, kept)
+            if seq.draft_expect is not None:
+                seq.short_expected = SEQ_DECAY * seq.short_expected + seq.draft_expect
+                seq.short_hits = SEQ_DECAY * seq.short_hits + kept
             return
         seq.draft_len = min(self.k, max(2 * drafted, seq.draft_len or self.k)) if kept == drafted else kept + 1
         seq.drafts_kept = DECAY * seq.drafts_kept + kept

@@ -4,7 +4,7 @@ import pytest
 from engine_support import greedy, make_engine, prompt, run_requests, scripted_model, shared_tokenizer
 
 from engine.api.sampling_params import SamplingParams
-from engine.core.draft_cost import MatchAcceptance, StepCosts, geometric, kept_rate
+from engine.core.draft_cost import MatchAcceptance, StepCosts, calibrated, geometric, kept_rate
 
 # one sequence's decode steps at 1, 2, 3, 5 and 9 rows, ms, one thread (the Q4_1 file's integer row kernel;
 # bf16 on AMX), measured with a 500-token context
@@ -114,3 +114,37 @@ def test_auto_learns_step_costs_and_caps_drafts_by_them(model):
     assert engine.speculative._paced(seq, k) == 6
     seq.drafts_kept, seq.drafts_missed = 99, 1
     assert engine.speculative._paced(seq, k) == k
+
+
+def test_a_sequences_own_record_scales_its_short_match_drafts():
+    kept = [0.6, 0.5, 0.4]
+    assert calibrated(kept, 0.0, 0.0) == kept  # nothing drafted yet: the engine-wide rates
+    assert calibrated(kept, 4.0, 4.0) == pytest.approx(kept)  # kept as many as expected
+    assert calibrated(kept, 9.0, 0.0) == pytest.approx([k / 10 for k in kept])  # none of 9 expected kept
+    assert calibrated(kept, 1.0, 9.0) == [1.0, 1.0, 1.0]  # better than expected: capped at certainty
+
+
+def test_auto_stops_drafting_short_matches_a_sequence_keeps_missing(model, monkeypatch):
+    """An answer that paraphrases: its history's short n-grams were followed by other tokens before, so its
+    lookup drafts miss, while the engine-wide rates (here: 990 of 1000 kept) still expect them kept. The
+    sequence's own record stops them; without it (SHORT_MATCH 0) they go on. Same output both ways."""
+    tok = shared_tokenizer()
+    cycle = list(range(10, 20))
+    walker = scripted_model(tok, {t: cycle[(i + 1) % len(cycle)] for i, t in enumerate(cycle)})
+    shuffled = [10, 15, 11, 16, 12, 17, 13, 18, 14, 19]  # each token followed by another than the model's
+
+    def drafted(short_match: int):
+        monkeypatch.setattr("engine.core.speculative.SHORT_MATCH", short_match)
+        engine = make_engine(model=walker, tokenizer=tok, speculative="auto")
+        engine.speculative.costs = _costs(Q4_1)
+        monkeypatch.setattr(engine.speculative.costs, "observe", lambda rows, seconds: None)  # Q4_1's, kept
+        matches = engine.speculative.matches
+        matches.tried = [[1000.0] * len(row) for row in matches.tried]
+        matches.kept = [[990.0] * len(row) for row in matches.kept]
+        outs = run_requests(engine, [shuffled], greedy(9))  # 10 .. 18: no token twice, no draft can be kept
+        return engine.speculative.drafted, engine.speculative.accepted, outs[0].tokens
+
+    with_record, kept_with, out_with = drafted(4)
+    without, kept_without, out_without = drafted(0)
+    assert out_with == out_without and kept_with == kept_without == 0
+    assert with_record <= 8 and without >= 3 * with_record, (with_record, without)  # one draft, then none

@@ -22,7 +22,7 @@ from engine_support import (
 from tiny_models import tiny_model
 
 from engine.api.sampling_params import SamplingParams
-from engine.core.speculative import lookup_draft
+from engine.core.lookup import lookup_draft
 from engine.model.native.linear import amx_available
 
 REPEATING = prompt(7, 1) * 5  # a history whose continuation prompt lookup can guess

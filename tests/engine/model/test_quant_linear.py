@@ -148,7 +148,7 @@ GEMM_K = {kind: [96, 1056] if kind not in K_KINDS else [768, 1280] for kind in K
 
 @pytest.mark.parametrize("kind,k", [(kind, k) for kind in KINDS for k in GEMM_K[kind]])
 def test_many_rows_gemm(kind, k):
-    """quant_gemm at row counts around its 4-row register tiles, 70 outputs (two 32-row tasks and a
+    """quant_gemm at row counts around its 6-row register tiles, 70 outputs (two 32-row tasks and a
     partial one; swiglu: 35 = 16 + 16 + 3), every op, against the rounded-activation reference and
     the bound; and equal to the row kernel within float summation."""
     n = 70

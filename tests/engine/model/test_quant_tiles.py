@@ -84,7 +84,7 @@ def test_against_rounded_reference(kind, k):
 @pytest.mark.parametrize("kind", TILED_KINDS)
 @pytest.mark.parametrize("op", ["none", "add", "swiglu"])
 def test_every_row_as_alone(kind, op):
-    """Rows 1 to 40 (past INVARIANT_ROWS, over several 4-row register tiles): each row bitwise as alone."""
+    """Rows 1 to 40 (past INVARIANT_ROWS, over several 6-row register tiles): each row bitwise as alone."""
     _vnni()
     n, k, rows = 64, 1024, 40  # swiglu: 32-row halves are whole tiles, so parts = 1 serves it too
     w, _ = _weight(kind, n, k, seed=9)

@@ -7,7 +7,7 @@
 // summation order. Then per task (at::parallel_for over tasks) NC = 2 vectors of 16 weight
 // rows ("columns" of the output) are unpacked once into a tile that holds, per pair and per int32 lane
 // l, the 4 bytes of lane l of the 16 rows side by side (a 16x16 transpose of the pairs' lanes), and
-// their per-group scales dv, mv as 16-wide float vectors. Every R = 4 rows of x then run over the
+// their per-group scales dv, mv as 16-wide float vectors. Every R = kR (6) rows of x then run over the
 // whole tile in registers: per scale group of a pair (a 32-block; a 16-weight chunk for q6_k) an int32
 // accumulator per (row, column vector) starts at -z * s (s: the sum of the group's int8 activations)
 // and takes one `vpdpbusd` per lane with the row's 4 activation bytes broadcast, so 16 columns x 4

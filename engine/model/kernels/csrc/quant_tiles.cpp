@@ -151,6 +151,8 @@ void tiled(const Tiled& w, const Call& c, float* y) {
             case 1: micro<KIND, 1>(cols, acts, p0, p1, p0 > 0, o); break;
             case 2: micro<KIND, 2>(cols, acts, p0, p1, p0 > 0, o); break;
             case 3: micro<KIND, 3>(cols, acts, p0, p1, p0 > 0, o); break;
+            case 4: micro<KIND, 4>(cols, acts, p0, p1, p0 > 0, o); break;
+            case 5: micro<KIND, 5>(cols, acts, p0, p1, p0 > 0, o); break;
             default: micro<KIND, kR>(cols, acts, p0, p1, p0 > 0, o); break;
           }
         }

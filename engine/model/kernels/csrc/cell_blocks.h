@@ -125,10 +125,16 @@ void attention(const T* q, const KV* kp, const KV* vp, const float* ks, const fl
       }
       // Converts the block's columns that some row of the task sees (the rest are zeros: never used).
       auto load_block = [&](const KV* pool, const float* pool_scale, int64_t blk) {
+        const int64_t left = std::min<int64_t>(16, width - blk * 16);
+        const __mmask16 inside = static_cast<__mmask16>((1u << left) - 1);
+        __mmask16 seen = 0;  // columns some row of the task does not mask
+        for (int64_t r = 0; r < rows && seen != inside; ++r) {
+          const __m512 b = _mm512_mask_loadu_ps(ninf, inside, bias + (task.t0 + r) * width + blk * 16);
+          seen |= _mm512_cmp_ps_mask(b, ninf, _CMP_NEQ_OQ);
+        }
         for (int64_t c = 0; c < 16; ++c) {
           const int64_t l = blk * 16 + c;
-          bool used = false;
-          for (int64_t r = 0; l < width && r < rows && !used; ++r) used = bias[(task.t0 + r) * width + l] != neg_inf;
+          const bool used = (seen >> c) & 1;
           float* dst = kv_block + c * dim;
           if (!used) {
             std::fill(dst, dst + dim, 0.f);

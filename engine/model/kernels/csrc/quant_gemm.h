@@ -37,7 +37,18 @@ struct PairActs {
 struct Acts {
   int64_t pairs, tiles;
   std::vector<PairActs> v;  // [tile][pair]
+  std::vector<int64_t> starts;  // tile t holds rows [starts[t], starts[t + 1])
 };
+
+// Row tiles of at most kR rows: every tile full but the last (quant_gemm's micro-kernel always runs kR rows),
+// or `balanced`: as few tiles, sizes differing by at most one (quant_tiles runs each tile's own count, so 7
+// rows are 4 + 3, not 6 + 1, whose lone row pays a whole unpacked weight tile alone).
+inline std::vector<int64_t> row_tiles(int64_t rows, bool balanced) {
+  const int64_t tiles = (rows + kR - 1) / kR;
+  std::vector<int64_t> starts(tiles + 1);
+  for (int64_t t = 0; t <= tiles; ++t) starts[t] = balanced ? t * rows / tiles : std::min(rows, t * kR);
+  return starts;
+}
 
 // One row: q in the pair order (pair p at q + p * stride); per block da (the K-quants: its super-block's,
 // llama.cpp's q8_K) and the sums of its halves.
@@ -65,20 +76,22 @@ void quantize_row(const float* xr, int64_t nb, int8_t* q, int64_t stride, float*
 }
 
 template <int KIND>
-Acts quantize_rows(const float* x, int64_t rows, int64_t k) {
+Acts quantize_rows(const float* x, int64_t rows, int64_t k, bool balanced = false) {
   constexpr int G = kGroups<KIND>;
   const int64_t nb = k / 32, pairs = (nb + 1) / 2;
   const int z = zero_point(KIND);
   Acts a;
   a.pairs = pairs;
-  a.tiles = (rows + kR - 1) / kR;
+  a.starts = row_tiles(rows, balanced);
+  a.tiles = static_cast<int64_t>(a.starts.size()) - 1;
   a.v.assign(a.tiles * pairs, PairActs{});
   at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
     std::vector<float> da(nb);
     std::vector<int32_t> s16(2 * nb);
     for (int64_t r = r0; r < r1; ++r) {
-      PairActs* rec = a.v.data() + (r / kR) * pairs;
-      const int slot = static_cast<int>(r % kR);
+      const int64_t tile = std::upper_bound(a.starts.begin(), a.starts.end(), r) - a.starts.begin() - 1;
+      PairActs* rec = a.v.data() + tile * pairs;
+      const int slot = static_cast<int>(r - a.starts[tile]);
       quantize_row<KIND>(x + r * k, nb, rec->q[slot], sizeof(PairActs), da.data(), s16.data());
       for (int64_t p = 0; p < pairs; ++p) {
         for (int g = 0; g < G; ++g) {

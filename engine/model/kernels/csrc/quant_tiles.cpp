@@ -132,7 +132,7 @@ Cols task_columns(const Tiled& w, const Call& c, int64_t i, int64_t* start, int*
 
 template <int KIND>
 void tiled(const Tiled& w, const Call& c, float* y) {
-  const Acts a = quantize_rows<KIND>(c.x.data_ptr<float>(), c.rows, c.w.k);
+  const Acts a = quantize_rows<KIND>(c.x.data_ptr<float>(), c.rows, c.w.k, /*balanced=*/true);
   const int64_t tasks = c.swiglu ? w.part_tiles : (w.tiles + kNC - 1) / kNC;
   constexpr int64_t tile_out = kR * kNC * 16;
   at::parallel_for(0, tasks, 1, [&](int64_t i0, int64_t i1) {
@@ -147,7 +147,7 @@ void tiled(const Tiled& w, const Call& c, float* y) {
         for (int64_t tile = 0; tile < a.tiles; ++tile) {
           const PairActs* acts = a.v.data() + tile * a.pairs + p0;
           float* o = out.data() + tile * tile_out;
-          switch (std::min<int64_t>(kR, c.rows - tile * kR)) {
+          switch (a.starts[tile + 1] - a.starts[tile]) {
             case 1: micro<KIND, 1>(cols, acts, p0, p1, p0 > 0, o); break;
             case 2: micro<KIND, 2>(cols, acts, p0, p1, p0 > 0, o); break;
             case 3: micro<KIND, 3>(cols, acts, p0, p1, p0 > 0, o); break;
@@ -158,7 +158,7 @@ void tiled(const Tiled& w, const Call& c, float* y) {
         }
       }
       for (int64_t tile = 0; tile < a.tiles; ++tile)
-        epilogue(c, start, count, tile * kR, static_cast<int>(std::min<int64_t>(kR, c.rows - tile * kR)),
+        epilogue(c, start, count, a.starts[tile], static_cast<int>(a.starts[tile + 1] - a.starts[tile]),
                  out.data() + tile * tile_out, y);
     }
   });

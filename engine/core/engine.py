@@ -38,7 +38,7 @@ from engine.sample.sampler import Sampler, make_generator
 
 log = logging.getLogger("cellserve.engine")
 # the prefill a loaded model warms up with (capped by max_num_batched_tokens): past the quantized kernels'
-# switch to bf16 tiles (engine/model/native/quant.py, 80 rows), so both paths have run once
+# switch to bf16 tiles (engine/model/native/quant.py: BF16_ROWS, TILED_BF16_ROWS), so both paths have run once
 WARMUP_PREFILL = 256
 
 

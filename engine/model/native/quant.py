@@ -30,7 +30,7 @@ copy of a linear's weight. `QuantLinear` has `Linear`'s interface
   A tiled weight's rows are read straight from its tiles (`quant_tiles_bf16`: bitwise the same bf16 rows).
   The crossovers were measured (`python -m engine.bench.quant_kernels`, docs/performance.md issue 26):
   the GEMM wins from ~16 rows for the K-quants (their row kernel is faster to 12 rows), up to ~64-96
-  rows, bf16 tiles above; quant_tiles up to ~80 rows (a bf16 step dequantizes every weight first); the GEMM is 5-20x faster than the
+  rows, bf16 tiles above; quant_tiles up to ~72 rows (a bf16 step dequantizes every weight first); the GEMM is 5-20x faster than the
   fp32 tiles below at every row count, bf16 tiles 2-6x at 512 rows.
 - no VNNI (the row kernel would run in plain C), `gemm` switched off past the row kernel's rows (the
   bench's A/B baseline), or no kernels: the weight dequantized to float32 one tile of `TILE_BYTES` at a
@@ -62,11 +62,12 @@ TILE_BYTES = 8 << 20  # float32 bytes of weight unpacked at once on the fp32-til
 ROW_KERNEL_ROWS = 3
 K_ROW_KERNEL_ROWS = 8
 BF16_ROWS = 80  # from this many rows bf16 tiles, where the CPU multiplies bf16 natively (measured: 64-96)
-# Tiled weights: a bf16 step dequantizes every weight first (straight from the tiles, `quant_tiles_bf16`: ~11 ms
-# for SmolLM2's Q4_1 file; untiling them first took ~13 ms more), which quant_tiles never pays. Its prefill steps,
-# 2 threads, tiles / bf16: 72 rows 39-40 / 41.5-41.8 ms, 88 rows 46.4-47.4 / 44.4-44.8, 104 rows 54.6-55.1 /
-# 48.1-48.6, 120 rows 62.9-63.6 / 50.8-52.3 (docs/performance.md, eighth session).
-TILED_BF16_ROWS = 80
+# Tiled weights: a bf16 step dequantizes every weight first (straight from the tiles, `quant_tiles_bf16`: ~8 ms
+# for SmolLM2's Q4_1 file, 4-bit weights through a table of 16 per block; ~12 ms computing each weight; untiling
+# them first took ~13 ms more), which quant_tiles never pays. Its prefill steps, 2 threads, tiles / bf16: 64 rows
+# 36.0-36.1 / 36.8-37.7 ms, 72 rows 40.0-40.1 / 39.0-40.8, 80 rows 43.8-44.3 / 39.9-41.7 (ninth session; with
+# the per-weight dequantization the crossover was ~80: docs/performance.md, eighth session).
+TILED_BF16_ROWS = 72
 INTEGER_PATHS = ("tiles", "rows", "gemm")  # `QuantLinear.path`s that run in integers, the op fused
 
 

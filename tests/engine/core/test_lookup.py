@@ -17,7 +17,7 @@ def scan(history: list[int], sources: list[list[int]], k: int) -> tuple[list[int
         suffix = history[-n:]
         for text, last in [(history, len(history) - n - 1)] + [(s, len(s) - n) for s in sources if len(s) > 1]:
             own = text is history
-            hits = [s for s in range(0, last + 1) if text[s : s + n] == suffix][-RECENT:]
+            hits = [s for s in range(last + 1) if text[s : s + n] == suffix][-RECENT:]
             best, at = [], 0
             for s in reversed(hits):
                 if len(text[s + n : s + n + k]) > len(best):

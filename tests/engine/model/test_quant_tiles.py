@@ -120,16 +120,16 @@ def test_quant_linear_keeps_tiles_and_untiles_for_dequantizing_paths():
     torch.testing.assert_close(odd.swiglu(x), F.silu(want[:, :35]) * want[:, 35:], atol=1e-4, rtol=0)
 
 
-def test_tiled_weights_stay_on_tiles_past_the_row_layouts_bf16_crossover():
+def test_tiled_weights_switch_to_bf16_tiles_at_their_own_crossover():
     """A bf16 step dequantizes the whole weight first, which quant_tiles never pays: tiled weights switch to bf16
-    tiles only from TILED_BF16_ROWS rows (no sooner than row-layout weights, from BF16_ROWS), and agree with
-    the reference on both sides of it."""
+    tiles only from TILED_BF16_ROWS rows (row-layout weights from BF16_ROWS), and agree with the reference on
+    both sides of it."""
     if not torch.ops.cellserve.quant_bf16_fast():
         pytest.skip("bf16 tiles are taken only on CPUs with AVX512-BF16")
     w, ref = _weight("q4_1", 48, 128, seed=9)
     lin = QuantLinear(w)
     lin.small = True
-    assert lin.tiled and BF16_ROWS <= TILED_BF16_ROWS
+    assert lin.tiled and lin.bf16_rows == TILED_BF16_ROWS != BF16_ROWS
     x = torch.randn(TILED_BF16_ROWS, 128, generator=torch.Generator().manual_seed(3))
     below = x[: TILED_BF16_ROWS - 1]
     assert lin.path(below) == "tiles" and lin.path(x) == "bf16"

@@ -169,9 +169,28 @@ constexpr bool kVnni = false;
 #endif
 
 #if defined(CELLSERVE_QUANT_VNNI) && defined(__AVX512BF16__)
+// A 4-bit block's 16 possible weights as bf16 (words 0..15 of the result): dv * (q - z), then + mv, rounded to
+// nearest even: the operations quant_dequant_bf16 does per weight, done once per value.
+template <int KIND>
+__attribute__((optimize("fp-contract=off"))) inline __m512i nibble_table(float dv, float mv, __m512 z) {
+  const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  __m512 v = _mm512_mul_ps(_mm512_set1_ps(dv), _mm512_sub_ps(q, z));
+  if (KIND == Q4_1) v = _mm512_add_ps(v, _mm512_set1_ps(mv));
+  return _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(v));
+}
+
+// A block's 16 bytes (element j in the low nibble of byte j, element j + 16 in the high one) as 32 word indices
+// in element order.
+inline __m512i nibble_index(__m128i bytes) {
+  const __m256i w = _mm256_cvtepu8_epi16(bytes);
+  const __m256i lo = _mm256_and_si256(w, _mm256_set1_epi16(0x0F)), hi = _mm256_srli_epi16(w, 4);
+  return _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+}
+
 // Weight rows [a, b) as bf16 rows of out (row r0 first): bitwise what untiling them and quant_dequant_bf16 give
 // (dv * (q - z), then + mv, no fused multiply-add, rounded to nearest even), without the row-layout copy: a
-// row's pair bytes are gathered from its lane of the tile's records (one 4-byte lane a record, in order).
+// row's pair bytes are gathered from its lane of the tile's records (one 4-byte lane a record, in order);
+// 4-bit weights are looked up in their block's table of 16 (nibble_table: ~2x fewer operations a weight).
 template <int KIND>
 __attribute__((optimize("fp-contract=off"))) void tiles_bf16_rows(const Tiled& w, int64_t r0, int64_t a, int64_t b,
                                                                    at::BFloat16* out) {
@@ -189,8 +208,17 @@ __attribute__((optimize("fp-contract=off"))) void tiles_bf16_rows(const Tiled& w
     at::BFloat16* dst = out + (n - r0) * k;
     for (int64_t p = 0; p < w.pairs; ++p) {
       const int32_t* rec = lanes + p * records * 16;
-      const __m512i q = KIND == Q8_0 ? _mm512_i32gather_epi32(at_record, rec, 4)
-                                     : unpack_nibbles(_mm256_i32gather_epi32(rec, _mm512_castsi512_si256(at_record), 4));
+      if (KIND != Q8_0) {  // 4-bit: each block's 16 possible values, then a table lookup per weight
+        const __m256i bytes = _mm256_i32gather_epi32(rec, _mm512_castsi512_si256(at_record), 4);
+        for (int g = 0; g < 2; ++g) {
+          const float mg = KIND == Q4_1 ? static_cast<float>(m[(p * 2 + g) * 16]) : 0.f;
+          const __m512i table = nibble_table<KIND>(static_cast<float>(d[(p * 2 + g) * 16]), mg, z);
+          const __m512i v = nibble_index(g == 0 ? _mm256_castsi256_si128(bytes) : _mm256_extracti128_si256(bytes, 1));
+          _mm512_storeu_si512(dst + p * 64 + g * 32, _mm512_permutexvar_epi16(v, table));
+        }
+        continue;
+      }
+      const __m512i q = _mm512_i32gather_epi32(at_record, rec, 4);
       for (int c = 0; c < 4; ++c) {
         const int g = chunk_block(KIND, c), half = chunk_half(KIND, c);
         __m512 v = _mm512_mul_ps(_mm512_set1_ps(static_cast<float>(d[(p * 2 + g) * 16])), _mm512_sub_ps(chunk_floats(q, c), z));

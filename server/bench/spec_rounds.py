@@ -66,8 +66,9 @@ def _spec_counts(url: str) -> tuple[float, float]:
             got.get("cellserve:spec_decode_num_accepted_tokens_total", 0.0))
 
 
-def _start(cmd: list[str], url: str, log: Path) -> subprocess.Popen:
-    with log.open("w") as f:  # its own process group: stop_server ends all of it
+def start_server(cmd: list[str], url: str, log: Path) -> subprocess.Popen:
+    """`cmd` started in its own process group (stop_server ends all of it), once healthy at `url`."""
+    with log.open("w") as f:
         proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         wait_healthy(url, proc, log)
@@ -103,7 +104,7 @@ def _bench_level(url: str, workload: str, clients: int, seed: int, out: Path) ->
 
 def _one_server(args, cmd: list[str], meta: dict, workload: str, seed: int, out: Path) -> None:
     url = f"http://127.0.0.1:{args.port}"
-    proc = _start(cmd, url, out / f"server-{meta['label']}-{meta['mode']}.log")
+    proc = start_server(cmd, url, out / f"server-{meta['label']}-{meta['mode']}.log")
     try:
         for clients in [int(c) for c in args.clients.split(",")]:
             d0, a0 = _spec_counts(url)

@@ -73,7 +73,7 @@ def lookup_draft(history: list[int], sources: list[list[int]], k: int, index: Ng
     for n in range(min(NGRAM_MAX, len(history) - 1), NGRAM_MIN - 1, -1):
         found = _best(history, index.recent(n), n, k)
         if found is not None:
-            return Lookup(found[1], n + _agreeing(history, found[0], len(history) - n, MATCH_MAX - n))
+            return Lookup(found[1], n + _agreeing(history, found[0], history, len(history) - n, MATCH_MAX - n))
         for text in sources:
             if len(text) <= 1 or len(text) < n:
                 continue
@@ -82,7 +82,7 @@ def lookup_draft(history: list[int], sources: list[list[int]], k: int, index: Ng
             hits = (tokens.unfold(0, n, 1) == own[-n:]).all(1).nonzero().flatten().tolist()[-RECENT:]
             found = _best(text, hits, n, k)
             if found is not None:
-                return Lookup(found[1], n + _agreeing(text, found[0], len(history) - n, MATCH_MAX - n, history), False)
+                return Lookup(found[1], n + _agreeing(text, found[0], history, len(history) - n, MATCH_MAX - n), False)
     return Lookup([])
 
 
@@ -99,9 +99,8 @@ def _best(tokens: list[int], starts: list[int], n: int, k: int) -> tuple[int, li
     return (at, best) if best else None
 
 
-def _agreeing(a: list[int], a_end: int, b_end: int, most: int, b: list[int] | None = None) -> int:
-    """How many tokens before a[a_end] and before b[b_end] agree, counted backwards, at most `most` (b: a)."""
-    b = a if b is None else b
+def _agreeing(a: list[int], a_end: int, b: list[int], b_end: int, most: int) -> int:
+    """How many tokens before a[a_end] and before b[b_end] agree, counted backwards, at most `most`."""
     m = min(most, a_end, b_end)
     count = 0
     while count < m and a[a_end - 1 - count] == b[b_end - 1 - count]:

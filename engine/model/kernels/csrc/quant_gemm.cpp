@@ -154,7 +154,7 @@ void gemm(const Call& c, float* y) {
   constexpr int64_t tile_out = kR * kNC * 16;
   at::parallel_for(0, tasks, 1, [&](int64_t i0, int64_t i1) {
     std::vector<PairW<kGroups<KIND>>> t(kKB);
-    std::vector<float> out(a.tiles * tile_out);
+    std::vector<float> out(a.tiles() * tile_out);
     int64_t start[kNC];
     int count[kNC];
     for (int64_t i = i0; i < i1; ++i) {
@@ -162,12 +162,11 @@ void gemm(const Call& c, float* y) {
       for (int64_t p0 = 0; p0 < a.pairs; p0 += kKB) {  // K blocks: the unpacked pairs serve every row
         const int64_t p1 = std::min(a.pairs, p0 + kKB);
         unpack<KIND>(c.w, start, count, p0, p1, t.data());
-        for (int64_t tile = 0; tile < a.tiles; ++tile)
+        for (int64_t tile = 0; tile < a.tiles(); ++tile)
           micro<KIND>(t.data(), a.v.data() + tile * a.pairs + p0, p1 - p0, p0 > 0, out.data() + tile * tile_out);
       }
-      for (int64_t tile = 0; tile < a.tiles; ++tile)
-        epilogue(c, start, count, tile * kR, static_cast<int>(std::min<int64_t>(kR, c.rows - tile * kR)),
-                 out.data() + tile * tile_out, y);
+      for (int64_t tile = 0; tile < a.tiles(); ++tile)
+        epilogue(c, start, count, a.starts[tile], a.rows(tile), out.data() + tile * tile_out, y);
     }
   });
 }

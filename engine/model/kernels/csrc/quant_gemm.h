@@ -35,9 +35,11 @@ struct PairActs {
   int32_t zi[4][kR];
 };
 struct Acts {
-  int64_t pairs, tiles;
+  int64_t pairs;
   std::vector<PairActs> v;  // [tile][pair]
   std::vector<int64_t> starts;  // tile t holds rows [starts[t], starts[t + 1])
+  int64_t tiles() const { return static_cast<int64_t>(starts.size()) - 1; }
+  int rows(int64_t tile) const { return static_cast<int>(starts[tile + 1] - starts[tile]); }
 };
 
 // Row tiles of at most kR rows: every tile full but the last (quant_gemm's micro-kernel always runs kR rows),
@@ -83,8 +85,7 @@ Acts quantize_rows(const float* x, int64_t rows, int64_t k, bool balanced = fals
   Acts a;
   a.pairs = pairs;
   a.starts = row_tiles(rows, balanced);
-  a.tiles = static_cast<int64_t>(a.starts.size()) - 1;
-  a.v.assign(a.tiles * pairs, PairActs{});
+  a.v.assign(a.tiles() * pairs, PairActs{});
   at::parallel_for(0, rows, 8, [&](int64_t r0, int64_t r1) {
     std::vector<float> da(nb);
     std::vector<int32_t> s16(2 * nb);

@@ -137,17 +137,17 @@ void tiled(const Tiled& w, const Call& c, float* y) {
   constexpr int64_t tile_out = kR * kNC * 16;
   at::parallel_for(0, tasks, 1, [&](int64_t i0, int64_t i1) {
     thread_local std::vector<float> out;  // no malloc in an OpenMP worker once the widest call has run
-    out.resize(static_cast<size_t>(a.tiles * tile_out));
+    out.resize(static_cast<size_t>(a.tiles() * tile_out));
     int64_t start[kNC];
     int count[kNC];
     for (int64_t i = i0; i < i1; ++i) {
       const Cols cols = task_columns<KIND>(w, c, i, start, count);
       for (int64_t p0 = 0; p0 < a.pairs; p0 += kKB) {  // K blocks: each stays in L1 across the row tiles
         const int64_t p1 = std::min(a.pairs, p0 + kKB);
-        for (int64_t tile = 0; tile < a.tiles; ++tile) {
+        for (int64_t tile = 0; tile < a.tiles(); ++tile) {
           const PairActs* acts = a.v.data() + tile * a.pairs + p0;
           float* o = out.data() + tile * tile_out;
-          switch (a.starts[tile + 1] - a.starts[tile]) {
+          switch (a.rows(tile)) {
             case 1: micro<KIND, 1>(cols, acts, p0, p1, p0 > 0, o); break;
             case 2: micro<KIND, 2>(cols, acts, p0, p1, p0 > 0, o); break;
             case 3: micro<KIND, 3>(cols, acts, p0, p1, p0 > 0, o); break;
@@ -157,9 +157,8 @@ void tiled(const Tiled& w, const Call& c, float* y) {
           }
         }
       }
-      for (int64_t tile = 0; tile < a.tiles; ++tile)
-        epilogue(c, start, count, a.starts[tile], static_cast<int>(a.starts[tile + 1] - a.starts[tile]),
-                 out.data() + tile * tile_out, y);
+      for (int64_t tile = 0; tile < a.tiles(); ++tile)
+        epilogue(c, start, count, a.starts[tile], a.rows(tile), out.data() + tile * tile_out, y);
     }
   });
 }

@@ -1,6 +1,6 @@
 """Shared pytest set-up: one torch thread (the CI box has 2 shared cores), offline Hugging Face, the
-session-wide model folders every layer's tests use (tests/engine, tests/server, tests/bench), and no
-skipped test where a run must be whole.
+model folders every layer's tests use, built once per test run (tests/engine, tests/server, tests/bench),
+and no skipped test where a run must be whole.
 
 A test may skip itself where what it needs is missing (a browser, the fused kernels, a CPU feature, an
 optional client library), so a user's `make test` on another machine still runs the rest. Where the run
@@ -45,7 +45,7 @@ def pytest_make_collect_report(collector):
 
 @pytest.fixture(scope="session")
 def model_dir(tmp_path_factory) -> str:
-    """A tiny seeded Llama + byte-level BPE tokenizer with a chat template, saved once per session."""
+    """A tiny seeded Llama + byte-level BPE tokenizer with a chat template, saved once per test run."""
     return str(save_tiny_model_dir(tmp_path_factory.mktemp("tiny-model"), seed=0, max_positions=512))
 
 

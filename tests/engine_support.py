@@ -144,7 +144,7 @@ _TOKENIZER = None
 
 
 def shared_tokenizer():
-    """The tiny byte-level BPE tokenizer, trained once per test session."""
+    """The tiny byte-level BPE tokenizer, trained once per test run."""
     global _TOKENIZER
     if _TOKENIZER is None:
         _TOKENIZER = tiny_tokenizer()

@@ -131,7 +131,7 @@ class Server:
         try:
             rc = self.proc.wait(120)
         except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # its own session: only what this run started
+            os.killpg(self.proc.pid, signal.SIGKILL)  # its own process group: only what this run started
             rc = self.proc.wait(10)
         deadline = time.monotonic() + 30
         while (left := alive(started)) and time.monotonic() < deadline:

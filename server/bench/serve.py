@@ -48,7 +48,7 @@ def _number_list(text: str, kind: type, name: str) -> list:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    """All `bench serve` flags (see the README section 'Benchmarks')."""
+    """All `bench serve` flags (see docs/performance.md, 'Benchmarks: the tools')."""
     g = p.add_argument_group("target")
     g.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL (default %(default)s)")
     g.add_argument("--model", help="model name to send (default: first entry of GET /v1/models)")
@@ -91,7 +91,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--no-progress", action="store_true", help="no live progress bar")
 
 
-DESCRIPTION = "Load-test an OpenAI-compatible server; see the README section 'Benchmarks'."
+DESCRIPTION = "Load-test an OpenAI-compatible server; see docs/performance.md, 'Benchmarks: the tools'."
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,6 +1,6 @@
 """cellserve against llama.cpp's `llama-server` on the same weights, the same load, in one run.
 
-Two commands (see the README, Performance, "Side by side with llama.cpp's llama-server"):
+Two commands (see docs/performance.md, "Against llama.cpp's llama-server"):
 
     python -m server.bench.side_by_side bpe-copy SRC_DIR DST_DIR
         A copy of a model folder (same config and weights) with an ASCII-only byte-level BPE

@@ -53,7 +53,7 @@ CHAT_ONLY: dict[str, tuple] = {"tools": ([],), "tool_choice": ("none",), "max_co
                                "top_logprobs": (), "chat_template_kwargs": (), "reasoning_effort": (),
                                "thinking": ()}
 COMPLETIONS_ONLY: dict[str, tuple] = {"echo": (False,), "suffix": ("",)}
-# Accepted and ignored: they change nothing this server computes (listed in the README).
+# Accepted and ignored: they change nothing this server computes (listed in docs/api.md).
 IGNORED = ("model", "user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
            "request_id", "parallel_tool_calls (without tools)", "spaces_between_special_tokens (fast tokenizers never add them)")
 GUIDED_FIELDS = ("response_format", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "grammar",

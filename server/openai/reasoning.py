@@ -27,7 +27,7 @@ def template_kwargs(chat_template, kwargs: dict | None, reasoning_effort: str | 
     """The extra `apply_chat_template` arguments: `chat_template_kwargs` as given, plus `reasoning_effort`
     where the template reads it, or mapped onto its `enable_thinking` switch ("none" turns it off);
     Anthropic-style `thinking: {"type": "enabled"|"disabled"}` onto the same switch. Without a switch
-    they change nothing (accepted, as the README says)."""
+    they change nothing (accepted, as docs/api.md says)."""
     from server.openai.tool_formats import template_text
 
     text = template_text(chat_template)

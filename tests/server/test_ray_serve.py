@@ -82,7 +82,7 @@ def url(tmp_path_factory):
         try:
             rc = proc.wait(60)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # its own session: only what this test started
+            os.killpg(proc.pid, signal.SIGKILL)  # its own process group: only what this test started
             rc = proc.wait(10)
         deadline = time.monotonic() + 20
         while (left := started & descendants(1)) and time.monotonic() < deadline:

@@ -65,8 +65,8 @@ BF16_ROWS = 80  # from this many rows bf16 tiles, where the CPU multiplies bf16 
 # Tiled weights: a bf16 step dequantizes every weight first (straight from the tiles, `quant_tiles_bf16`: ~8 ms
 # for SmolLM2's Q4_1 file, 4-bit weights through a table of 16 per block; ~12 ms computing each weight; untiling
 # them first took ~13 ms more), which quant_tiles never pays. Its prefill steps, 2 threads, tiles / bf16: 64 rows
-# 36.0-36.1 / 36.8-37.7 ms, 72 rows 40.0-40.1 / 39.0-40.8, 80 rows 43.8-44.3 / 39.9-41.7 (ninth session; with
-# the per-weight dequantization the crossover was ~80: docs/performance.md, eighth session).
+# 36.0-36.1 / 36.8-37.7 ms, 72 rows 40.0-40.1 / 39.0-40.8, 80 rows 43.8-44.3 / 39.9-41.7 (2026-12-06, 9b92357;
+# with the per-weight dequantization the crossover was ~80: fd756b7).
 TILED_BF16_ROWS = 72
 INTEGER_PATHS = ("tiles", "rows", "gemm")  # `QuantLinear.path`s that run in integers, the op fused
 

@@ -1,7 +1,9 @@
 """The package layering, read from the source: zero import cycles, and every import points down a layer.
 
 Every import counts: module level, inside functions and under TYPE_CHECKING. The layers, lowest first:
-engine.api <- engine.cells, engine.sample, engine.loader <- engine.model <- engine.core <- server.
+engine.api <- engine.cells, engine.sample, engine.loader <- engine.model <- engine.core <- server, with
+speculative decoding (engine.spec) beside engine.core: it builds on the core's sequences and scheduler, and
+the core imports it only where the engine is put together (CORE_MAY_IMPORT_SPEC).
 The server holds the engine through engine.api only; the few places that must build or drive the
 engine's torch side are named in SERVER_MAY_IMPORT. Nothing but a benchmark (or the CLI that runs one)
 imports a benchmark.
@@ -19,9 +21,12 @@ ENGINE_LAYERS = {
     "sample": {"api"},
     "loader": {"api"},
     "model": {"api", "cells", "loader"},
-    "core": {"api", "cells", "sample", "loader", "model"},
-    "bench": {"api", "cells", "sample", "loader", "model", "core"},
+    "core": {"api", "cells", "sample", "loader", "model", "spec"},
+    "spec": {"api", "cells", "sample", "loader", "model", "core"},
+    "bench": {"api", "cells", "sample", "loader", "model", "core", "spec"},
 }
+# the core modules that may import engine.spec: the engine, which builds the speculative decoder
+CORE_MAY_IMPORT_SPEC = {"engine.core.engine", "engine.core.sequence"}
 # server module prefix -> engine modules (beyond engine.api) it may import, and why
 SERVER_MAY_IMPORT = {
     "server.config": ("engine.core.async_engine", "engine.loader.source"),  # builds the engine; pull/models
@@ -137,6 +142,8 @@ def test_engine_layers_point_down():
                 bad.append(f"{mod} -> {target} (the engine never imports the server)")
             elif target.startswith("engine.") and _layer(target) not in ENGINE_LAYERS[layer] | {layer}:
                 bad.append(f"{mod} -> {target} ({layer} may import only {sorted(ENGINE_LAYERS[layer])})")
+            elif layer == "core" and _layer(target) == "spec" and mod not in CORE_MAY_IMPORT_SPEC:
+                bad.append(f"{mod} -> {target} (only {sorted(CORE_MAY_IMPORT_SPEC)} import engine.spec)")
     assert bad == []
 
 

@@ -45,13 +45,13 @@ class EngineArgs:
     # no backlog term). The environment may override both, for A/B runs. Scheduler says why.
     prefill_while_decoding: int = field(default_factory=lambda: _env_int("CELLSERVE_PREFILL_WHILE_DECODING", 32))
     prefill_backlog_ticks: int = field(default_factory=lambda: _env_int("CELLSERVE_PREFILL_BACKLOG_TICKS", 16))
-    # Speculative decoding (engine/core/speculative.py): "ngram" drafts from the sequence's own history and
+    # Speculative decoding (engine/spec/decoder.py): "ngram" drafts from the sequence's own history and
     # its siblings' on every tick; "auto" does so only while few sequences decode (where a step is bound by
     # streaming the weights, not by compute); "off" (or None) never. CELLSERVE_SPECULATIVE overrides the
     # default (the oracle suite runs with "ngram" forced on).
     speculative: str | None = field(default_factory=lambda: os.environ.get("CELLSERVE_SPECULATIVE") or "auto")
     num_speculative_tokens: int = 8  # the longest draft a sequence carries into one step (adaptive: 1 .. this)
-    # A draft model (engine/core/draft_model.py): a HF folder, a .gguf file or a known name of the target's
+    # A draft model (engine/spec/draft_model.py): a HF folder, a .gguf file or a known name of the target's
     # tokenizer (resolved as `model`), drafting where no model-free draft exists; its own dtype ("auto": a
     # .gguf's own blocks where they can run) and its own cell pool of the target's size. None: no draft model.
     draft_model: str | Path | None = None

@@ -117,7 +117,7 @@ class SamplingParams:
     `priority` (lower first, vLLM's convention): the scheduler admits waiting requests in (priority,
     arrival) order and preempts the running request of the highest value first (engine/core/scheduler.py).
     `prediction_ids`: the output the client expects (OpenAI's predicted outputs), tokenized: a draft source
-    for speculative decoding (engine/core/speculative.py) when the engine speculates; it never changes
+    for speculative decoding (engine/spec/decoder.py) when the engine speculates; it never changes
     what is generated, only how many tokens one step may keep.
     """
 

@@ -21,20 +21,20 @@ from engine.api.outputs import EngineStats, PromptLogprobs, RequestOutput, Seque
 from engine.api.sampling_params import SamplingParams
 from engine.core.admission import Admission
 from engine.core.detokenizer import IncrementalDetokenizer
-from engine.core.draft_model import DraftModel, check_same_vocabulary
 from engine.core.output_processor import OutputProcessor
 from engine.core.persistent import SequenceTable
 from engine.core.prompt_logprobs import prompt_rows as plp_rows
 from engine.core.prompt_logprobs import take_prompt_logprobs
 from engine.core.scheduler import Chunk, Scheduler
 from engine.core.sequence import Request, Sequence
-from engine.core.speculative import SpeculativeDecoder
 from engine.core.state.identity import identity_of
 from engine.core.state.store import DurableStore
 from engine.loader.source import resolve_args, resolve_model
 from engine.model.flat_step import FlatStep, flatten_step
 from engine.model.runner import ModelRunner
 from engine.sample.sampler import Sampler, make_generator
+from engine.spec.decoder import SpeculativeDecoder
+from engine.spec.draft_model import DraftModel, check_same_vocabulary
 
 log = logging.getLogger("cellserve.engine")
 # the prefill a loaded model warms up with (capped by max_num_batched_tokens): past the quantized kernels'

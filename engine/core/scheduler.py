@@ -108,7 +108,7 @@ class Scheduler:
         self.preemptions = 0
         self.pager = None  # with a state dir: pager(seq, limit, reserve) loads saved cells (see `page_in`)
         # With a draft model: its own pool follows these cells by slot (`released`, `cut`, `shared`: see
-        # engine/core/draft_model.py); cells loaded from disk it does not get (it prefills them when it drafts).
+        # engine/spec/draft_model.py); cells loaded from disk it does not get (it prefills them when it drafts).
         self.mirror = None
 
     # ----- queue -----------------------------------------------------------------------------

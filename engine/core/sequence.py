@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 
 from engine.api.outputs import PromptLogprobs, RequestOutput, Timing
 from engine.api.sampling_params import SamplingParams
-from engine.core.draft_cost import PRIOR_KEPT, PRIOR_MISSED
+from engine.spec.costs import PRIOR_KEPT, PRIOR_MISSED
 
 if TYPE_CHECKING:  # annotations only: torch, the detokenizer and the grammar stay out of the server's imports
     import torch
@@ -64,9 +64,9 @@ class Sequence:
     draft_pause: int = 0  # ticks to go without the draft model ("auto" backs off after its drafts wholly missed)
     draft_misses: int = 0  # wholly rejected model drafts in a row
     drafts_kept: float = PRIOR_KEPT  # decayed counts of drafted tokens kept and of misses that ended drafts
-    drafts_missed: float = PRIOR_MISSED  # (engine/core/draft_cost.py: what draft length pays)
+    drafts_missed: float = PRIOR_MISSED  # (engine/spec/costs.py: what draft length pays)
     short_expected: float = 0.0  # its lookup drafts behind short matches: drafted tokens the engine-wide rates
-    short_hits: float = 0.0  # expected kept, and tokens kept (decayed sums; draft_cost.calibrated)
+    short_hits: float = 0.0  # expected kept, and tokens kept (decayed sums; costs.calibrated)
     draft_expect: float | None = None  # this tick's own short-match lookup draft: the tokens of it the engine-wide
     # rates expect kept (None: a draft the sequence's record does not judge)
 

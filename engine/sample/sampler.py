@@ -88,7 +88,7 @@ class Sampler:
 
             apply_masks(x, constrained, [grammars[i] for i in constrained])
         tokens = self._choose(x, params, generators)
-        lp, top = self._logprobs(logits, tokens, params) if want_lp else ([None] * B, [None] * B)
+        lp, top = self.logprobs(logits, tokens, params) if want_lp else ([None] * B, [None] * B)
         return SampleResult(tokens.tolist(), lp, top)
 
     def distribution(self, logits: torch.Tensor, params: Sequence[SamplingParams],
@@ -209,8 +209,11 @@ class Sampler:
         return tokens
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, params):
-        """Raw logprobs (see module docstring) of the chosen tokens and the top-k alternatives."""
+    def logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: Sequence[SamplingParams]
+                 ) -> tuple[list[float | None], list[list[tuple[int, float]] | None]]:
+        """Raw logprobs (see module docstring) of `tokens` (one per row, chosen by any rule: sampled here, or
+        kept by a speculative verification) and each row's `params.logprobs` top alternatives; None for the
+        rows whose params ask for none."""
         want = [i for i, p in enumerate(params) if p.logprobs is not None]
         idx = torch.tensor(want, device=logits.device)
         lp = torch.log_softmax(logits.index_select(0, idx).float(), dim=-1)

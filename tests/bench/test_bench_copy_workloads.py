@@ -67,7 +67,7 @@ def test_regen_forks_at_the_answer_and_regenerates_it_with_the_parent_as_draft(m
         regens = [r for r in recs if r.kind == "regen"]
         if spec == "auto":  # the old answer drafts the regenerate: no draft token rejected, and at least every other
             # token drafted (a drafted tick adds one token after its draft; how long the drafts are follows the step
-            # costs this machine measured, engine/core/draft_cost.py, so the tick count is not fixed)
+            # costs this machine measured, engine/spec/costs.py, so the tick count is not fixed)
             assert all(r.rejected_draft_tokens == 0 and r.accepted_draft_tokens >= 11 for r in regens)
             assert accepted >= 3 * 11 and drafted > 0
         else:

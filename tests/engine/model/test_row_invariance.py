@@ -2,7 +2,7 @@
 a lone decode row. The oracle is the one-row decode itself: a sequence's next tokens decoded one step at a time
 give logits that must be bitwise equal to the same tokens' rows in one verification-like step (a chunk beside
 another sequence's decode, the sequence's cells elsewhere in the pool). This is what keeps greedy output with
-speculative drafts token for token the output without them in bf16 (tests/engine/core/test_speculative.py)."""
+speculative drafts token for token the output without them in bf16 (tests/engine/spec/test_speculative.py)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""Speculative decoding (engine/core/speculative.py): model-free drafts verified in the normal step.
+"""Speculative decoding (engine/spec/decoder.py): model-free drafts verified in the normal step.
 
 The oracle is the engine without speculation and the cacheless forward: greedy output must be token for
 token the same, the cells must hold exactly each sequence's cached positions after every tick, and
@@ -22,8 +22,8 @@ from engine_support import (
 from tiny_models import tiny_model
 
 from engine.api.sampling_params import SamplingParams
-from engine.core.lookup import lookup_draft
 from engine.model.native.linear import amx_available
+from engine.spec.lookup import lookup_draft
 
 REPEATING = prompt(7, 1) * 5  # a history whose continuation prompt lookup can guess
 

@@ -26,7 +26,7 @@ Guarantees:
   its row yields. For a draft proposed without a model this is exactly speculative sampling: a token
   equal to the draft is accepted with probability p(draft), and on a mismatch the row's token is drawn
   from p without the draft token (the residual distribution);
-- with a draft model (engine/core/draft_model.py, where no model-free draft exists, or under "auto" where it
+- with a draft model (engine/spec/draft_model.py, where no model-free draft exists, or under "auto" where it
   promises more tokens a second than the lookup draft, its own cost a token counted): a greedy row's draft
   is checked as above (output unchanged); a sampled row's draft was drawn from the draft model's q and is
   accepted by standard speculative sampling (`_accept_drawn`): the output follows the target's
@@ -45,7 +45,11 @@ from collections.abc import Callable
 import torch
 
 from engine.api.outputs import CompletionOutput, TokenLogprob
-from engine.core.draft_cost import (
+from engine.core.output_processor import OutputProcessor
+from engine.core.scheduler import Chunk, Scheduler
+from engine.core.sequence import Request, Sequence
+from engine.sample.sampler import Sampler, advance
+from engine.spec.costs import (
     DECAY,
     SEQ_DECAY,
     SHORT_MATCH,
@@ -55,18 +59,14 @@ from engine.core.draft_cost import (
     geometric,
     kept_rate,
 )
-from engine.core.lookup import NgramIndex, lookup_draft
-from engine.core.output_processor import OutputProcessor
-from engine.core.scheduler import Chunk, Scheduler
-from engine.core.sequence import Request, Sequence
-from engine.sample.sampler import Sampler, advance
+from engine.spec.lookup import NgramIndex, lookup_draft
 
 log = logging.getLogger("cellserve.speculative")
 
 # "auto" drafts only while at most this many sequences decode: there one step streams every weight once
 # for few rows, so drafted rows ride almost free; with more, a step is compute-bound and drafts cost.
 AUTO_MAX_DECODING = 4
-# "auto" drafts no longer than pays on this machine's measured step costs (engine/core/draft_cost.py): a
+# "auto" drafts no longer than pays on this machine's measured step costs (engine/spec/costs.py): a
 # prompt-lookup draft by how long its match is, none where that seldom pays. A draft model's drafts cost a
 # draft forward each, so "auto" also backs off a sequence whose model drafts keep missing: after each wholly
 # rejected one it decodes without the draft model for 2, 4, 8 ... up to this many ticks.
@@ -80,7 +80,7 @@ class SpeculativeDecoder:
                  max_model_len: int, *, always: bool = True,
                  persistent: Callable[[str], Sequence | None] = lambda seq_id: None, drafter=None):
         """`persistent`: a persistent sequence by id (a fork's parent is a draft source), None if gone.
-        `drafter`: a `DraftModel` (engine/core/draft_model.py) drafting where no model-free draft exists (or,
+        `drafter`: a `DraftModel` (engine/spec/draft_model.py) drafting where no model-free draft exists (or,
         under "auto", where it pays more than the lookup: `_model_pays_more`)."""
         self.scheduler, self.sampler, self.outputs = scheduler, sampler, outputs
         self.persistent, self.drafter = persistent, drafter
@@ -150,7 +150,7 @@ class SpeculativeDecoder:
 
     def _paced(self, seq: Sequence, room: int, token_seconds: float = 0.0) -> int:
         """A followed text's or the draft model's length: the sequence's adaptive length within `room`; under
-        "auto" also no longer than pays for its acceptance on this machine's step costs (draft_cost.py), each
+        "auto" also no longer than pays for its acceptance on this machine's step costs (costs.py), each
         drafted token costing `token_seconds` more to make (the draft model's forward; a followed text's is free)."""
         room = min(seq.draft_len or self.k, room)
         if self.always or room <= 1:
@@ -289,7 +289,7 @@ class SpeculativeDecoder:
         tokens = draft[:a] + [int(torch.multinomial(last, 1, generator=seq.generator))]
         if par.logprobs is None:
             return tokens, [None] * len(tokens)
-        lp, top = Sampler._logprobs(rows[: len(tokens)], torch.tensor(tokens), [par] * len(tokens))
+        lp, top = self.sampler.logprobs(rows[: len(tokens)], torch.tensor(tokens), [par] * len(tokens))
         return tokens, [TokenLogprob(t, v, k or []) for t, v, k in zip(tokens, lp, top)]
 
     def _trim(self, seq: Sequence, valid: int, claimed: int) -> None:

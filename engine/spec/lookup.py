@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from engine.core.draft_cost import MATCH_MAX
+from engine.spec.costs import MATCH_MAX
 
 NGRAM_MAX = 4  # the longest suffix matched against the history (vLLM's prompt_lookup_max default)
 NGRAM_MIN = 1

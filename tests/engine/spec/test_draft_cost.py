@@ -1,10 +1,10 @@
-"""StepCosts (engine/core/draft_cost.py): the draft length "auto" allows from measured step costs and acceptance."""
+"""StepCosts (engine/spec/costs.py): the draft length "auto" allows from measured step costs and acceptance."""
 
 import pytest
 from engine_support import greedy, make_engine, prompt, run_requests, scripted_model, shared_tokenizer
 
 from engine.api.sampling_params import SamplingParams
-from engine.core.draft_cost import MatchAcceptance, StepCosts, calibrated, geometric, kept_rate
+from engine.spec.costs import MatchAcceptance, StepCosts, calibrated, geometric, kept_rate
 
 # one sequence's decode steps at 1, 2, 3, 5 and 9 rows, ms, one thread (the Q4_1 file's integer row kernel;
 # bf16 on AMX), measured with a 500-token context
@@ -134,7 +134,7 @@ def test_auto_stops_drafting_short_matches_a_sequence_keeps_missing(model, monke
     shuffled = [10, 15, 11, 16, 12, 17, 13, 18, 14, 19]  # each token followed by another than the model's
 
     def drafted(short_match: int):
-        monkeypatch.setattr("engine.core.speculative.SHORT_MATCH", short_match)
+        monkeypatch.setattr("engine.spec.decoder.SHORT_MATCH", short_match)
         engine = make_engine(model=walker, tokenizer=tok, speculative="auto")
         engine.speculative.costs = _costs(Q4_1)
         monkeypatch.setattr(engine.speculative.costs, "observe", lambda rows, seconds: None)  # Q4_1's, kept

@@ -1,10 +1,10 @@
-"""Prompt lookup through the n-gram index (engine/core/lookup.py) against a brute-force scan of the history."""
+"""Prompt lookup through the n-gram index (engine/spec/lookup.py) against a brute-force scan of the history."""
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.core.draft_cost import MATCH_MAX
-from engine.core.lookup import NGRAM_MAX, NGRAM_MIN, RECENT, NgramIndex, lookup_draft
+from engine.spec.costs import MATCH_MAX
+from engine.spec.lookup import NGRAM_MAX, NGRAM_MIN, RECENT, NgramIndex, lookup_draft
 
 
 def scan(history: list[int], sources: list[list[int]], k: int) -> tuple[list[int], int, bool]:

@@ -17,7 +17,7 @@ Costs are learned from the engine's own decode-only steps (an EMA per row count,
 seen yet is taken to cost what the nearest one seen does, so a longer draft is tried, and measured, before it
 is ruled out; until the undrafted tick's row count is timed, "auto" runs it without drafts (below the fewest rows
 timed a step would look as dear as those, and any draft free). The draft model's own steps
-(engine/core/draft_model.py) are not counted here: it times them itself, and each token it drafts costs one
+(engine/spec/draft_model.py) are not counted here: it times them itself, and each token it drafts costs one
 (`best_length`'s `per_token`).
 """
 

@@ -1,4 +1,4 @@
-"""A draft model for speculative decoding (engine/core/draft_model.py): a tiny seeded target with a tiny seeded
+"""A draft model for speculative decoding (engine/spec/draft_model.py): a tiny seeded target with a tiny seeded
 draft of the same vocabulary. Oracles: the engine without speculation and the cacheless greedy forward; for
 sampled requests, the target's own next-token distributions computed without the engine (chi-square)."""
 
@@ -19,9 +19,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from engine.api.args import EngineArgs
 from engine.api.errors import ModelSourceError
 from engine.api.sampling_params import SamplingParams
-from engine.core.draft_cost import MatchAcceptance
 from engine.core.engine import Engine
 from engine.model.runner import ModelRunner
+from engine.spec.costs import MatchAcceptance
 
 N_CELLS = 512
 

@@ -1,5 +1,5 @@
 """A draft model for speculative decoding (`--draft-model`): a smaller model of the target's vocabulary
-proposes each sequence's next k tokens; the target verifies them in its normal step (engine/core/speculative.py).
+proposes each sequence's next k tokens; the target verifies them in its normal step (engine/spec/decoder.py).
 
 The draft runs on its own `ModelRunner` with its own cell pool, addressed by the target's slot ids: the
 scheduler stays the one owner of sequences and their cells, and tells this pool what happened to them
@@ -26,11 +26,11 @@ import time
 import torch
 
 from engine.api.errors import ModelSourceError
-from engine.core.draft_cost import ema
 from engine.core.sequence import Sequence
 from engine.model.flat_step import flatten_step
 from engine.model.runner import ModelRunner
 from engine.sample.sampler import Sampler
+from engine.spec.costs import ema
 
 
 def check_same_vocabulary(target: ModelRunner, draft: ModelRunner, name: str) -> None:

@@ -4,6 +4,8 @@ import itertools
 
 import torch
 from transformers import (
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
     GPT2Config,
     GPT2LMHeadModel,
     LlamaConfig,
@@ -12,6 +14,8 @@ from transformers import (
     MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 VOCAB = 101
@@ -47,6 +51,31 @@ def _mistral():
     )
 
 
+def _random_norms(model):
+    """Norm weights away from their init (ones, or Gemma's zeros) so a misplaced or missing norm shows."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(-0.5, 0.5) if "gemma" in model.config.model_type else p.uniform_(0.5, 1.5)
+    return model
+
+
+def _qwen3():
+    # head_dim 16 with hidden 32 / 4 heads (Qwen3's head_dim is its own: 128 beside hidden 1024 / 16 heads)
+    return _random_norms(Qwen3ForCausalLM(
+        Qwen3Config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256)))
+
+
+def _gemma3():
+    # a local (window 4, base 10k) and a global layer (base 1M); query_pre_attn_scalar not head_dim; a soft-cap
+    return _random_norms(Gemma3ForCausalLM(
+        Gemma3TextConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                         sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                         query_pre_attn_scalar=24, final_logit_softcapping=30.0)))
+
+
 def _gpt2():
     return GPT2LMHeadModel(GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=256,
                                       bos_token_id=1, eos_token_id=2))
@@ -57,6 +86,8 @@ BUILDERS = {
     "qwen2": _qwen2,
     "qwen2_sliding": _qwen2_sliding,
     "mistral": _mistral,
+    "qwen3": _qwen3,
+    "gemma3": _gemma3,
     "gpt2": _gpt2,
 }
 

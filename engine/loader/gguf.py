@@ -34,7 +34,7 @@ _ARCH_ALIASES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "g
 _PATCH_LOCK = threading.Lock()
 # llama.cpp architectures whose files can be served quantized (`dtype="quantized"`): the native forward's
 # (engine/loader/gguf_tensors.py reads their tensors as they are); others are dequantized to float32.
-QUANT_ARCHS = ("llama", "qwen2")
+QUANT_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 # ggml tensor type ids; QUANT_TYPES: those the quantized kernels read as they are (gguf_tensors.KINDS)
 F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 8, 12, 13, 14, 30
 QUANT_TYPES = (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)
@@ -63,13 +63,15 @@ class _Header:
             return None
         return self.read(n).decode("utf-8", errors="replace")
 
-    def value(self, vtype: int, keep: bool = True):
+    def value(self, vtype: int, keep: bool = True, arrays: bool = False):
         if vtype in _SCALARS:
             return self.unpack(_SCALARS[vtype])
         if vtype == _STRING:
             return self.string(keep)
-        if vtype == _ARRAY:  # token lists and the like: skipped, only their extent matters here
+        if vtype == _ARRAY:  # token lists and the like: skipped unless `arrays` (then a list)
             etype, count = self.unpack("<I"), self.unpack("<Q")
+            if keep and arrays:
+                return self.array(etype, count)
             if etype in _SCALARS:
                 self.f.seek(struct.calcsize(_SCALARS[etype]) * count, os.SEEK_CUR)
             else:
@@ -79,10 +81,19 @@ class _Header:
         raise ModelSourceError(f"{self.path}: unknown GGUF value type {vtype}; the file is corrupt or from a "
                                f"newer GGUF version than this reader knows")
 
+    def array(self, etype: int, count: int) -> list:
+        if etype in _SCALARS:
+            import numpy as np
 
-def read_gguf_metadata(path: str | Path) -> dict:
-    """The scalar and string key/values of a GGUF header (arrays are skipped), plus `gguf.version` and
-    `gguf.tensor_count`. Raises ModelSourceError if the file is not GGUF or its header is cut short."""
+            fmt = _SCALARS[etype]
+            return np.frombuffer(self.read(struct.calcsize(fmt) * count), dtype=np.dtype(fmt)).tolist()
+        return [self.value(etype, arrays=True) for _ in range(count)]
+
+
+def read_gguf_metadata(path: str | Path, arrays: bool = False) -> dict:
+    """The scalar and string key/values of a GGUF header (arrays are skipped unless `arrays`: then lists, e.g.
+    the token list), plus `gguf.version` and `gguf.tensor_count`. Raises ModelSourceError if the file is not
+    GGUF or its header is cut short."""
     path = Path(path)
     with open(path, "rb") as f:
         h = _Header(f, path)
@@ -96,7 +107,7 @@ def read_gguf_metadata(path: str | Path) -> dict:
         meta: dict = {"gguf.version": version, "gguf.tensor_count": h.unpack("<Q")}
         for _ in range(h.unpack("<Q")):
             key = h.string()
-            value = h.value(h.unpack("<I"))
+            value = h.value(h.unpack("<I"), arrays=arrays)
             if value is not None:
                 meta[key] = value
     if "general.architecture" not in meta:
@@ -273,7 +284,7 @@ def _write_quantized_folder(src: Path, dest: Path, arch: str, record: dict) -> d
     try:
         with _parse_once():
             tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-            config = AutoConfig.from_pretrained(src.parent, gguf_file=src.name)
+            config = _native_config(src) or AutoConfig.from_pretrained(src.parent, gguf_file=src.name)
         if hasattr(config, "quantization_config"):
             del config.quantization_config
         config.save_pretrained(tmp)
@@ -295,6 +306,18 @@ def _write_quantized_folder(src: Path, dest: Path, arch: str, record: dict) -> d
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return info
+
+
+def _native_config(src: Path):
+    """The config written from the file's own metadata (engine/loader/gguf_config.py) for the architectures
+    transformers' mapping gets wrong, else None."""
+    from engine.loader.gguf_config import CONFIG_ARCHS, config_from_metadata
+
+    _, index = read_tensor_index(src)
+    meta = read_gguf_metadata(src, arrays=True)  # a layer pattern may be an array
+    if meta["general.architecture"] not in CONFIG_ARCHS:
+        return None
+    return config_from_metadata(meta, index["token_embd.weight"].shape[0], "output.weight" not in index)
 
 
 def _dequantize_kwargs() -> dict:

@@ -58,7 +58,8 @@ _TOP = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "
 _LAYER = {"input_layernorm.weight": "attn_norm.weight", "post_attention_layernorm.weight": "ffn_norm.weight",
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
-          "mlp.down_proj": "ffn_down"}
+          "mlp.down_proj": "ffn_down", "self_attn.q_norm.weight": "attn_q_norm.weight",
+          "self_attn.k_norm.weight": "attn_k_norm.weight"}  # Qwen3's per-head norms
 _LAYER_RE = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _REQUIRED = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
              "model.layers.0.self_attn.q_proj.weight": "blk.0.attn_q.weight"}
@@ -201,6 +202,8 @@ def load_quantized_folder(folder: str | Path, mode: str, dtype="auto", *, check=
     config = AutoConfig.from_pretrained(folder, local_files_only=True)
     model = placeholder_model(config)
     reason = check(model) if check else None
+    if reason is None and config.model_type.startswith("gemma"):  # its (1 + w) and sandwich norms are not mapped here
+        reason = f"{config.model_type}'s norms are not mapped for --quantize (a GGUF file of it runs quantized)"
     if reason:
         raise ModelSourceError(f"--quantize {mode} runs on the native Llama-family forward, which cannot run "
                                f"{folder.name}: {reason}; serve it without --quantize")

@@ -1,4 +1,8 @@
-"""A native forward for the Llama family (Llama, Mistral, Qwen2): transformers' math in fewer ops.
+"""A native forward for the Llama family (Llama, Mistral, Qwen2, Qwen3, Gemma 3): transformers' math in fewer ops.
+
+What Qwen3 and Gemma 3 add to the Llama layer (q/k norms, Gemma's norms, GeGLU, scaled embedding, a RoPE table
+per layer type, a logit soft-cap) is described in engine/model/native/layer.py; per-head q/k norms run in
+place on the fused Q|K|V output (`qk_norm`, one kernel call; eager `F.rms_norm` without the kernels).
 
 An unmodified transformers decoder layer runs ~50 tensor ops and a dozen Python modules per layer;
 on a small CPU most of a decode step is that overhead (every op dispatches, allocates and opens an
@@ -51,9 +55,11 @@ from engine.cells.plan import StepPlan
 from engine.model.hf_attention import MaskSpec
 from engine.model.kernels import build as kernels
 from engine.model.native.attention import Attend
-from engine.model.native.linear import Linear, cat_bias, fused_linear, small_swiglu, two_copies
+from engine.model.native.layer import Family, Layer, norm_eps, norm_weight
+from engine.model.native.linear import fused_linear, two_copies
 
-NATIVE_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+NATIVE_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
+                "Gemma3ForCausalLM")
 
 
 def native_unsupported(model) -> str | None:
@@ -62,48 +68,14 @@ def native_unsupported(model) -> str | None:
     if name not in NATIVE_ARCHS:
         return f"{name} is not one of {NATIVE_ARCHS}"
     cfg = model.config
-    if getattr(cfg, "hidden_act", "silu") != "silu":
-        return f"hidden_act {cfg.hidden_act!r}"
-    layer = model.model.layers[0]
-    extra = {"q_norm", "k_norm"} & set(dict(layer.self_attn.named_children()))
-    if extra:
-        return f"attention has {sorted(extra)}"
+    family = Family.of(model)
+    if family.act not in ("silu", "gelu_tanh"):
+        return f"hidden activation {family.act!r}"
+    if getattr(cfg, "attn_logit_softcapping", None) is not None:
+        return f"attention logit soft-capping ({cfg.attn_logit_softcapping})"
     if model.device.type != "cpu":
         return "the native forward is written for CPU"
     return None
-
-
-class _Layer:
-    """One decoder layer's fused weights and the window its attention uses."""
-
-    def __init__(self, layer, window: int | None, quantized: dict | None = None):
-        attn, mlp = layer.self_attn, layer.mlp
-        # own copies (a few KB): a view would keep the whole safetensors mapping the parameters came from alive
-        self.ln1, self.eps1 = layer.input_layernorm.weight.detach().clone(), layer.input_layernorm.variance_epsilon
-        self.ln2, self.eps2 = layer.post_attention_layernorm.weight.detach().clone(), layer.post_attention_layernorm.variance_epsilon
-        self.scale = attn.scaling
-        self.window = window
-        self.gate_up = None  # a quantized [gate; up] linear with its own swiglu (engine/model/native/quant.py)
-        if quantized is not None:  # the weights come from a GGUF file as they are (quant.layer_weights)
-            for name, value in quantized.items():
-                setattr(self, name, value)
-            return
-        self.qkv = fused_linear(attn.q_proj, attn.k_proj, attn.v_proj)
-        self.o = fused_linear(attn.o_proj)
-        self.gate, self.up = fused_linear(mlp.gate_proj), fused_linear(mlp.up_proj)
-        self.gate_up_bias = cat_bias(mlp.gate_proj, mlp.up_proj)
-        self.down = fused_linear(mlp.down_proj)
-
-    def linears(self) -> list[Linear]:
-        return [self.qkv, self.o, self.gate, self.up, self.down]
-
-    def swiglu(self, h: torch.Tensor) -> torch.Tensor:
-        """`silu(gate(h)) * up(h)`: one small-row kernel call at one row, else two fused oneDNN calls."""
-        if self.gate_up is not None:
-            return self.gate_up.swiglu(h)
-        if self.gate.is_small(h):
-            return small_swiglu(self.gate, self.up, h, self.gate_up_bias)
-        return self.up.times(h, self.gate.silu(h))
 
 
 class NativeLlama:
@@ -124,14 +96,15 @@ class NativeLlama:
             raise ValueError(f"no native forward: {reason}")
         cfg = model.config
         base = model.model
-        types = getattr(cfg, "layer_types", None)
+        self.family = family = Family.of(model)
+        types = getattr(cfg, "layer_types", None) or [None] * len(base.layers)
         if spec.layer_windows is not None:
             windows = [spec.layer_windows[types[i]] for i in range(len(base.layers))]
         else:
             windows = [spec.window] * len(base.layers)
         if tensors is None:
-            self.layers = [_Layer(layer, w) for layer, w in zip(base.layers, windows)]
-            self.norm = base.norm.weight.detach().clone()  # not a view into the file's mapping (see _Layer)
+            self.layers = [Layer(layer, w, family, t) for layer, w, t in zip(base.layers, windows, types)]
+            self.norm = norm_weight(base.norm, family.norm_plus_one)  # not a view into the file's mapping
             self.head = fused_linear(model.lm_head, gemv=True)
             table = base.embed_tokens.weight
             # a tied table is the head's weight: looked up in the head's packed copy, not kept twice
@@ -141,11 +114,11 @@ class NativeLlama:
         else:
             from engine.model.native import quant
 
-            self.layers = [_Layer(layer, w, quant.layer_weights(tensors, i))
-                           for i, (layer, w) in enumerate(zip(base.layers, windows))]
+            self.layers = [Layer(layer, w, family, t, quant.layer_weights(tensors, i, family.act))
+                           for i, (layer, w, t) in enumerate(zip(base.layers, windows, types))]
             self.embed, self.norm, self.head = quant.model_weights(tensors)
         self.windows = sorted(set(windows), key=lambda w: -1 if w is None else w)
-        self.norm_eps = base.norm.variance_epsilon
+        self.norm_eps = norm_eps(base.norm)
         self.rotary = base.rotary_emb
         attn = base.layers[0].self_attn
         self.head_dim = attn.head_dim
@@ -168,25 +141,63 @@ class NativeLlama:
 
     def forward(self, cache: CellCache, tokens: torch.Tensor, plan: StepPlan, rows: torch.Tensor) -> torch.Tensor:
         """Logits `[len(rows), vocab]` (fp32) of the given rows of this planned step."""
-        # [T, H]; a quantized table (QuantEmbedding) looks its rows up itself
-        x = F.embedding(tokens, self.embed) if isinstance(self.embed, torch.Tensor) else self.embed(tokens)
-        cos, sin = self.rotary(x, plan.positions[None])
+        x = self._embed(tokens)
         attend = Attend(plan, self.n_kv, self.n_heads // self.n_kv, self.windows, x.device, self.fused)
-        rope = (cos[0], sin[0]) if self.fused else _eager_rope(cos, sin, self.head_dim)
+        ropes = self._ropes(x, plan.positions)
         for layer, pools in zip(self.layers, cache.layers):
             if not pools.is_initialized:  # the pools take their shape from the first K/V they see
                 kv = x.new_zeros(1, self.n_kv, 1, self.head_dim)
                 pools.lazy_initialization(kv, kv)
-            x = self._layer(layer, x, pools, rope, plan.kv_cells, attend)
+            x = self._layer(layer, x, pools, ropes[layer.layer_type], plan.kv_cells, attend)
         x = self._norm(x.index_select(0, rows), self.norm, self.norm_eps)
-        return self.head(x).float()
+        logits = self.head(x).float()
+        cap = self.family.softcap
+        return logits if cap is None else torch.tanh(logits / cap) * cap
 
-    def _layer(self, layer: _Layer, x, pools, rope, cells, attend) -> torch.Tensor:
+    def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The token rows `[T, H]` (a quantized table, QuantEmbedding, looks its rows up itself), scaled where the
+        family scales them (Gemma: by sqrt(hidden), rounded to the rows' dtype as transformers rounds it)."""
+        x = F.embedding(tokens, self.embed) if isinstance(self.embed, torch.Tensor) else self.embed(tokens)
+        scale = self.family.embed_scale
+        return x if scale is None else x * torch.tensor(scale, dtype=x.dtype)
+
+    def _ropes(self, x: torch.Tensor, positions: torch.Tensor) -> dict:
+        """The step's RoPE tables (cos, sin) by layer type: one for every layer, or one per type where the family's
+        layer types have their own bases (Gemma 3's local layers), each computed once a step."""
+        kinds = {layer.layer_type for layer in self.layers} if self.family.rope_by_type else {None}
+        out = {}
+        for kind in kinds:
+            cos, sin = self.rotary(x, positions[None], kind) if kind is not None else self.rotary(x, positions[None])
+            out[kind] = (cos[0], sin[0]) if self.fused else _eager_rope(cos, sin, self.head_dim)
+        if not self.family.rope_by_type:  # every layer reads the one table, whatever its type
+            out = dict.fromkeys({layer.layer_type for layer in self.layers}, out[None])
+        return out
+
+    def _layer(self, layer: Layer, x, pools, rope, cells, attend) -> torch.Tensor:
         qkv = layer.qkv(self._norm(x, layer.ln1, layer.eps1))
+        if layer.q_norm is not None:
+            self._qk_norm(layer, qkv)
         q = self._rope_store(qkv, rope, pools, cells)
-        x = layer.o.plus(attend(q, pools, layer.scale, layer.window), x)
+        a = attend(q, pools, layer.scale, layer.window)
+        if layer.post_attn is None:
+            x = layer.o.plus(a, x)
+        else:
+            x = x + self._norm(layer.o(a), layer.post_attn, layer.eps1).to(x.dtype)
         h = self._norm(x, layer.ln2, layer.eps2)
-        return layer.down.plus(layer.swiglu(h), x)
+        if layer.post_ffn is None:
+            return layer.mlp(h, x)
+        return x + self._norm(layer.mlp(h), layer.post_ffn, layer.eps2).to(x.dtype)
+
+    def _qk_norm(self, layer: Layer, qkv: torch.Tensor) -> None:
+        """Qwen3's / Gemma 3's RMSNorm over each Q and K head of `qkv` `[T, (Hq + 2 Hkv) D]`, in place."""
+        n_q, n_kv, dim = self.n_heads, self.n_kv, self.head_dim
+        if self.fused:
+            torch.ops.cellserve.qk_norm(qkv, layer.q_norm, layer.k_norm, n_q, n_kv, layer.qk_eps)
+            return
+        n_tok = qkv.shape[0]
+        for heads, first, weight in ((n_q, 0, layer.q_norm), (n_kv, n_q, layer.k_norm)):
+            part = qkv[:, first * dim:(first + heads) * dim].view(n_tok, heads, dim)
+            part.copy_(F.rms_norm(part, (dim,), weight, layer.qk_eps))
 
     def _norm(self, x, weight, eps) -> torch.Tensor:
         if self.fused:

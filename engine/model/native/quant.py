@@ -49,6 +49,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.loader.gguf_tensors import BLOCK_WEIGHTS, KIND_IDS, QuantWeight
+from engine.model.native.layer import DenseMLP
 from engine.model.native.linear import Linear
 from engine.model.native.quant_tiles import TiledWeight, tileable
 from engine.model.native.rows import must_match_alone
@@ -363,26 +364,31 @@ def weight_bytes(native) -> int:
     add(native.norm)
     add_linear(native.head)
     for layer in native.layers:
-        add(layer.ln1)
-        add(layer.ln2)
+        for norm in layer.norms():
+            add(norm)
         for lin in {id(lin): lin for lin in layer.linears()}.values():
             add_linear(lin)
     return sum(seen.values())
 
 
-def layer_weights(tensors: dict, i: int) -> dict:
-    """`_Layer`'s attributes for block `i` of a GGUF file's tensors (llama.cpp names). Takes the block's
-    tensors out of `tensors`: what a layer re-lays (tiles, stacks) is freed as soon as its layer is built, so
-    a load holds one copy of the weights plus one layer's, not two copies."""
+def layer_weights(tensors: dict, i: int, act: str = "silu") -> dict:
+    """`Layer`'s attributes for block `i` of a GGUF file's tensors (llama.cpp names; engine/model/native/layer.py),
+    the MLP's gate activated by `act`. Takes the block's tensors out of `tensors`: what a layer re-lays (tiles,
+    stacks) is freed as soon as its layer is built, so a load holds one copy of the weights plus one layer's, not
+    two copies. Gemma's norms are stored with their 1 added (llama.cpp's converter adds it), as `Layer` keeps them."""
     prefix = f"blk.{i}."
     t = {k.removeprefix(prefix): tensors.pop(k) for k in [k for k in tensors if k.startswith(prefix)]}
     qkv = [t[f"attn_{p}.weight"] for p in "qkv"]
     out = {"ln1": t["attn_norm.weight"], "ln2": t["ffn_norm.weight"],
            "qkv": linear_of(qkv, cat_biases(t, [f"attn_{p}.bias" for p in "qkv"], [_rows(w) for w in qkv])),
-           "o": linear_of([t["attn_output.weight"]], t.get("attn_output.bias")),
-           "down": linear_of([t["ffn_down.weight"]], t.get("ffn_down.bias"))}
+           "o": linear_of([t["attn_output.weight"]], t.get("attn_output.bias"))}
+    for name, key in (("q_norm", "attn_q_norm"), ("k_norm", "attn_k_norm"), ("post_attn", "post_attention_norm"),
+                      ("post_ffn", "post_ffw_norm")):
+        if f"{key}.weight" in t:
+            out[name] = t[f"{key}.weight"].float()
     gate_up = linear_of([t["ffn_gate.weight"], t["ffn_up.weight"]], swiglu=True)  # both have `swiglu`
-    return out | {"gate_up": gate_up, "gate": gate_up, "up": gate_up}
+    down = linear_of([t["ffn_down.weight"]], t.get("ffn_down.bias"))
+    return out | {"mlp": DenseMLP(gate_up, gate_up, down, act=act, gate_up=gate_up)}
 
 
 def model_weights(tensors: dict) -> tuple:

@@ -83,8 +83,8 @@ def test_kinds_kept_and_bytes(served, caplog):
         assert layers[0].qkv.weight.kind == "q4_k"
         assert isinstance(layers[1].qkv, GroupLinear)  # Q|K in q4_k, V in q6_k
         assert [p.weight.kind for p in layers[1].qkv.parts] == ["q4_k", "q6_k"]
-        assert layers[1].down.weight.kind == "q6_k" and layers[0].down.weight.kind == "q4_k"
-        assert layers[0].gate_up.weight.kind == "q4_k"
+        assert layers[1].mlp.down.weight.kind == "q6_k" and layers[0].mlp.down.weight.kind == "q4_k"
+        assert layers[0].mlp.gate_up.weight.kind == "q4_k"
         assert native.head.weight.kind == "q6_k" and native.embed.weight.kind == "q4_k"
         # the file's bytes, + 4 bytes a q4_k super-block (its 12 packed scale bytes kept as 16)
         q4k = sum(int(np.prod(t.shape)) for t in read_tensor_index(path)[1].values() if t.ggml_type == Q.Q4_K)
@@ -99,7 +99,7 @@ def test_kinds_kept_and_bytes(served, caplog):
         assert isinstance(native.embed, CastEmbedding) and native.embed.weight.dtype == torch.bfloat16
         assert isinstance(native.head, CastLinear)
         assert [type(p) for p in layers[0].qkv.parts] == [QuantLinear, CastLinear]
-        assert [type(p) for p in layers[0].gate_up.parts] == [QuantLinear, CastLinear]
+        assert [type(p) for p in layers[0].mlp.gate_up.parts] == [QuantLinear, CastLinear]
         assert weight_bytes(native) < 0.5 * 4 * n_params  # no float32 copies of the bf16 tensors
 
 

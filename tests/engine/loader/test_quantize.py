@@ -264,7 +264,7 @@ def test_matrices_whose_input_size_is_not_a_multiple_of_32_stay_float(tmp_path, 
     runner = ModelRunner.from_pretrained(tmp_path, quantize="int8", n_cells=64)
     assert "13 matrices have an input size that is not a multiple of 32" in caplog.text
     layer = runner.native.layers[0]
-    assert isinstance(layer.down, QuantLinear) and not isinstance(layer.qkv, QuantLinear)
+    assert isinstance(layer.mlp.down, QuantLinear) and not isinstance(layer.qkv, QuantLinear)
     ids = list(range(5, 25))
     torch.testing.assert_close(runner.run({0: (ids, 0)})[0], full_logits(model, ids)[-1], atol=0.01, rtol=0)
 
@@ -284,9 +284,10 @@ def test_saved_cells_are_bound_to_the_mode_and_the_weights(model_dir, tmp_path):
     assert again in ids
 
 
-@pytest.mark.parametrize("arch", ["qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["qwen2", "mistral", "qwen3"])
 def test_qwen2_biases_and_mistrals_window_run_quantized(arch, tmp_path):
-    """Qwen2's q/k/v biases (random, so a dropped one shows) and Mistral's sliding window: int8 logits
+    """Qwen2's q/k/v biases (random, so a dropped one shows), Mistral's sliding window and Qwen3's q/k norms
+    (away from 1, so a dropped one shows): int8 logits
     within the tiny-model bound of the float32 oracle (measured 0.003-0.004 of logits up to ~0.35)."""
     model = tiny_model(arch)
     with torch.no_grad():

@@ -51,9 +51,45 @@ def q4_k_m(name: str, n_layers: int):
     return Q.Q4_K
 
 
+def tiny_qwen3(seed: int = 0, tied: bool = True):
+    """hidden 64, 4 heads of 32 (a head size that is not hidden / heads: the file must say it), MLP 160, 2 layers;
+    norms (q_norm and k_norm too) away from 1."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                      rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
+                      tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
+    return _norms_away(Qwen3ForCausalLM(cfg).eval(), 0.5, 1.5)
+
+
+def tiny_gemma3(seed: int = 0):
+    """hidden 64, 4 heads of 32, MLP 160, 2 layers: a local one (window 4) and a global one (the file's pattern
+    says period 2), a soft-cap; norms away from Gemma's 0 (w: the model scales by 1 + w)."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    torch.manual_seed(seed)
+    cfg = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                           rms_norm_eps=1e-6, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
+                           rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+                                            "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
+                           query_pre_attn_scalar=32, final_logit_softcapping=30.0, bos_token_id=1, eos_token_id=2)
+    return _norms_away(Gemma3ForCausalLM(cfg).eval(), -0.5, 0.5)
+
+
+def _norms_away(model, lo: float, hi: float):
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(lo, hi)
+    return model
+
+
 def write_llama_gguf(path, model: LlamaForCausalLM, qtype, embed_qtype=None):
-    """`model` as a llama.cpp GGUF file: linears (and the embedding, `embed_qtype` or `qtype`) in `qtype`,
-    or in `qtype(name)` when it is a function of the tensor's name."""
+    """`model` (a Llama, Qwen3 or Gemma 3) as a llama.cpp GGUF file: linears (and the embedding, `embed_qtype`
+    or `qtype`) in `qtype`, or in `qtype(name)` when it is a function of the tensor's name."""
     import gguf
     from gguf import quants
     from kquants import quantize as quantize_k
@@ -61,17 +97,27 @@ def write_llama_gguf(path, model: LlamaForCausalLM, qtype, embed_qtype=None):
     k_types = {gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K}
 
     cfg = model.config
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_name("tiny llama")
+    arch = {"llama": "llama", "qwen3": "qwen3", "gemma3_text": "gemma3"}[cfg.model_type]
+    gemma = arch == "gemma3"
+    w = gguf.GGUFWriter(str(path), arch)
+    w.add_name(f"tiny {arch}")
     w.add_context_length(cfg.max_position_embeddings)
     w.add_embedding_length(cfg.hidden_size)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_feed_forward_length(cfg.intermediate_size)
     w.add_head_count(cfg.num_attention_heads)
     w.add_head_count_kv(cfg.num_key_value_heads)
-    w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    w.add_rope_freq_base(float(cfg.rope_parameters["rope_theta"]) if getattr(cfg, "rope_parameters", None)
-                         else float(cfg.rope_theta))
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    w.add_rope_dimension_count(head_dim)
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
+    w.add_rope_freq_base(float(rope["rope_theta"]))
+    if arch != "llama":  # what convert_hf_to_gguf.py writes for Qwen3 and Gemma 3
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if gemma:
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_sliding_window_pattern(2)  # layer 0 local, layer 1 global (llama.cpp's default period is 6)
+        w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
     tok = json.loads((DEFAULT_MODEL_DIR / "tokenizer.json").read_text())
@@ -96,7 +142,8 @@ def write_llama_gguf(path, model: LlamaForCausalLM, qtype, embed_qtype=None):
         else:
             w.add_tensor(name, (quantize_k if q in k_types else quants.quantize)(a, q), raw_dtype=q)
 
-    sd = model.state_dict()
+    sd = {k: v + 1 if gemma and k.endswith("norm.weight") else v  # llama.cpp stores Gemma's 1 + w
+          for k, v in model.state_dict().items()}
     put("token_embd.weight", sd["model.embed_tokens.weight"], embed_qtype or qtype)
     if not cfg.tie_word_embeddings:
         put("output.weight", sd["lm_head.weight"], qtype)
@@ -105,9 +152,20 @@ def write_llama_gguf(path, model: LlamaForCausalLM, qtype, embed_qtype=None):
     for i in range(cfg.num_hidden_layers):
         p = f"model.layers.{i}."
         put(f"blk.{i}.attn_norm.weight", sd[p + "input_layernorm.weight"])
-        put(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
-        put(f"blk.{i}.attn_q.weight", torch.from_numpy(_permute(sd[p + "self_attn.q_proj.weight"].numpy(), nh)), qtype)
-        put(f"blk.{i}.attn_k.weight", torch.from_numpy(_permute(sd[p + "self_attn.k_proj.weight"].numpy(), nkv)), qtype)
+        if gemma:
+            put(f"blk.{i}.post_attention_norm.weight", sd[p + "post_attention_layernorm.weight"])
+            put(f"blk.{i}.ffn_norm.weight", sd[p + "pre_feedforward_layernorm.weight"])
+            put(f"blk.{i}.post_ffw_norm.weight", sd[p + "post_feedforward_layernorm.weight"])
+        else:
+            put(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
+        if arch != "llama":
+            put(f"blk.{i}.attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"])
+            put(f"blk.{i}.attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"])
+        q, k = sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"]
+        if arch == "llama":  # only llama's converter permutes Q and K for its RoPE layout
+            q, k = torch.from_numpy(_permute(q.numpy(), nh)), torch.from_numpy(_permute(k.numpy(), nkv))
+        put(f"blk.{i}.attn_q.weight", q, qtype)
+        put(f"blk.{i}.attn_k.weight", k, qtype)
         put(f"blk.{i}.attn_v.weight", sd[p + "self_attn.v_proj.weight"], qtype)
         put(f"blk.{i}.attn_output.weight", sd[p + "self_attn.o_proj.weight"], qtype)
         put(f"blk.{i}.ffn_gate.weight", sd[p + "mlp.gate_proj.weight"], qtype)

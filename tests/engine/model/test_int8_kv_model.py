@@ -22,6 +22,10 @@ from engine.model.native.attention import Attend
 from engine.model.runner import ModelRunner
 
 BOUND = 0.01  # of the oracle's largest |logit| (see the module docstring)
+# The tiny Gemma 3's logits are small (|logit| <= ~0.3: a soft-capped, tied 0.02-std head) while its q/k norms
+# hold every K row near unit RMS: the same int8 rounding moves them by ~1.3% of their largest, measured alike on
+# all three paths (the transformers modules' too), so the rounding's, not a path's. Its bound: 3%.
+BOUNDS = {"gemma3": 0.03}
 
 
 def _prompt(n, seed):
@@ -39,10 +43,11 @@ def _runner(model, path: str) -> ModelRunner:
 
 
 @pytest.mark.parametrize("path", ["kernels", "eager", "hf"])
-@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_sliding"])
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2_sliding", "qwen3", "gemma3"])
 def test_int8_cells_give_the_oracles_logits_within_the_stated_bound(name, path, monkeypatch):
     model = tiny_model(name)
     runner = _runner(model, path)
+    bound = BOUNDS.get(name, BOUND)
     modes, init = [], Attend.__init__
 
     def spy(self, *args, **kwargs):  # records each step's attention mode
@@ -65,12 +70,12 @@ def test_int8_cells_give_the_oracles_logits_within_the_stated_bound(name, path, 
         for s in chunks:
             oracle = full_logits(model, hist[s])[-1]
             err = float((out[s] - oracle).abs().max())
-            assert err < BOUND * float(oracle.abs().max()), (s, step, err)
+            assert err < bound * float(oracle.abs().max()), (s, step, err)
             worst = max(worst, err)
     hist[0].append(int(out[0].argmax()))  # one sequence decoding alone: the eager path reads its window densely
     oracle = full_logits(model, hist[0])[-1]
     err = float((runner.run({0: (hist[0][-1:], len(hist[0]) - 1)})[0] - oracle).abs().max())
-    assert err < BOUND * float(oracle.abs().max())
+    assert err < bound * float(oracle.abs().max())
     assert max(worst, err) > 1e-6  # the int8 rounding is there: float cells agree to ~1e-7
     if path != "hf":
         assert set(modes) == ({"split", "cells"} if path == "kernels" else {"split", "gather", "dense"})

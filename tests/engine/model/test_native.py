@@ -37,7 +37,7 @@ def _modes(monkeypatch) -> list[str]:
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["kernels", "eager"])
-@pytest.mark.parametrize("name", ["llama_gqa", "qwen2", "qwen2_sliding", "mistral"])
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2", "qwen2_sliding", "mistral", "qwen3", "gemma3"])
 def test_every_attention_mode_matches_the_oracle(name, fused, monkeypatch):
     model = tiny_model(name)
     runner = ModelRunner(model, n_cells=512)

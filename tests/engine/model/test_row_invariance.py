@@ -38,9 +38,10 @@ def assert_drafted_rows_match_decode(make_runner, prompt) -> None:
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
-def test_a_chunk_of_drafted_rows_gives_the_decode_rows_logits(kv_cache_dtype):
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen3", "gemma3"])
+def test_a_chunk_of_drafted_rows_gives_the_decode_rows_logits(name, kv_cache_dtype):
     if not amx_available():
         pytest.skip("bf16 row invariance needs AMX (amx_linear_fast() is False)")
     assert kernels.load(), kernels.why_not()
-    model = tiny_model("llama_gqa").to(torch.bfloat16)
+    model = tiny_model(name).to(torch.bfloat16)
     assert_drafted_rows_match_decode(lambda: ModelRunner(model, n_cells=256, kv_cache_dtype=kv_cache_dtype), _prompt)

@@ -162,6 +162,9 @@ class _Boom:
     def __getattr__(self, name):
         raise RuntimeError("injected")
 
+    def __call__(self, *args):
+        raise RuntimeError("injected")
+
 
 @pytest.mark.parametrize("native", [False, True])
 def test_failed_forward_releases_its_cells(native):
@@ -171,7 +174,7 @@ def test_failed_forward_releases_its_cells(native):
     free, read_len = runner.cache.free_cells(), runner.cache.read_len
     with pytest.MonkeyPatch.context() as mp:  # layer 1 fails mid-forward, after layer 0 wrote its K/V
         if native:
-            mp.setattr(runner.native.layers[1], "gate", _Boom())
+            mp.setattr(runner.native.layers[1], "mlp", _Boom())
         else:
             mp.setattr(model.model.layers[1], "forward", _raise)
         with pytest.raises(RuntimeError, match="injected"):

@@ -3,6 +3,8 @@
 // Each replaces a run of small eager ops whose cost on a small CPU is dispatch, allocation and an
 // OpenMP region per op rather than arithmetic:
 //   rms_norm        transformers' LlamaRMSNorm in one pass (fp32 statistics, the input's dtype out);
+//   qk_norm         Qwen3's / Gemma 3's per-head RMSNorm of each Q and K head row of the fused Q|K|V
+//                   output, in place (one pass instead of a split, two norms and a copy back);
 //   rope_store      RoPE on Q and K from one cos/sin table, K and V written straight into the cell
 //                   pools, Q returned;
 //   cell_attention  one query row per sequence reads its own cells in place from the pools (no
@@ -105,6 +107,40 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
                               x.size(0), x.size(1), static_cast<float>(eps));
   });
   return out;
+}
+
+// Each Q head row of qkv normalized with q_weight, each K head row with k_weight (V untouched), in place;
+// the same arithmetic as rms_norm_kernel per row.
+void qk_norm(at::Tensor qkv, const at::Tensor& q_weight, const at::Tensor& k_weight, int64_t n_q, int64_t n_kv,
+             double eps) {
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous(), "qk_norm: qkv must be a contiguous [tokens, width] tensor");
+  const int64_t dim = q_weight.numel();
+  TORCH_CHECK(dim > 0 && k_weight.numel() == dim && qkv.size(1) == (n_q + 2 * n_kv) * dim,
+              "qk_norm: qkv width must be (n_q + 2 n_kv) * head_dim, both weights [head_dim]");
+  TORCH_CHECK(q_weight.is_contiguous() && k_weight.is_contiguous() && q_weight.scalar_type() == qkv.scalar_type()
+                  && k_weight.scalar_type() == qkv.scalar_type(),
+              "qk_norm: the weights must be contiguous and of qkv's dtype");
+  const int64_t tokens = qkv.size(0), heads = n_q + n_kv, width = qkv.size(1);
+  dispatch(qkv.scalar_type(), "qk_norm", [&](auto tag) {
+    using T = decltype(tag);
+    T* base = qkv.data_ptr<T>();
+    const T* qw = q_weight.data_ptr<T>();
+    const T* kw = k_weight.data_ptr<T>();
+    const float e = static_cast<float>(eps);
+    at::parallel_for(0, tokens * heads, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t h = r % heads;
+        T* x = base + (r / heads) * width + h * dim;
+        const T* w = h < n_q ? qw : kw;
+        float sum = 0.f;
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < dim; ++i) sum += to_f(x[i]) * to_f(x[i]);
+        const float inv = 1.f / std::sqrt(sum / static_cast<float>(dim) + e);
+#pragma omp simd
+        for (int64_t i = 0; i < dim; ++i) x[i] = static_cast<T>(to_f(w[i]) * to_f(static_cast<T>(to_f(x[i]) * inv)));
+      }
+    });
+  });
 }
 
 // out[i] = x[i] * cos[i] + rotate_half(x)[i] * sin[i], rotate_half(x) = cat(-x[half:], x[:half])
@@ -401,6 +437,7 @@ at::Tensor cell_attention_q8(const at::Tensor& q, const at::Tensor& k_pool, cons
 
 TORCH_LIBRARY(cellserve, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("qk_norm(Tensor(a!) qkv, Tensor q_weight, Tensor k_weight, int n_q, int n_kv, float eps) -> ()");
   m.def("rope_store(Tensor qkv, Tensor cos, Tensor sin, Tensor(a!) k_pool, Tensor(b!) v_pool, Tensor cells, "
         "int n_q, int n_kv) -> Tensor");
   m.def("cell_attention(Tensor q, Tensor k_pool, Tensor v_pool, Tensor idx, Tensor bias, float scale) -> Tensor");
@@ -412,6 +449,7 @@ TORCH_LIBRARY(cellserve, m) {
 
 TORCH_LIBRARY_IMPL(cellserve, CPU, m) {
   m.impl("rms_norm", &rms_norm);
+  m.impl("qk_norm", &qk_norm);
   m.impl("rope_store", &rope_store);
   m.impl("cell_attention", &cell_attention);
   m.impl("rope_store_q8", &rope_store_q8);

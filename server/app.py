@@ -14,12 +14,13 @@ from contextlib import asynccontextmanager
 from typing import TYPE_CHECKING, Union
 
 from fastapi import Depends, FastAPI
+from starlette.middleware.cors import CORSMiddleware
 
 from server.anthropic import routes as anthropic_routes
 from server.anthropic.errors import AnthropicErrors, require_key
 from server.errors import ERROR_RESPONSES, install_error_handlers, without_422
 from server.limits import Limits
-from server.middleware import BodySizeLimit, HeadAsGet, require_api_key
+from server.middleware import BodySizeLimit, HeadAsGet, WithoutV1, cors_options, require_api_key
 from server.openai import routes as openai_routes
 from server.ops import routes as ops_routes
 from server.responses import routes as responses_routes
@@ -33,7 +34,8 @@ if TYPE_CHECKING:  # the server never imports the engine (torch) at run time; it
 
 def build_app(engine: Union["EngineClient", EngineFactory], *, served_model_name: str | None = None,
               api_key: str | None = None, shutdown_grace_s: float = 30.0, on_fatal=None,
-              limits: Limits | None = None, ui: bool = True, state_dir: str | None = None) -> FastAPI:
+              limits: Limits | None = None, ui: bool = True, state_dir: str | None = None,
+              cors_origins: list[str] | None = None) -> FastAPI:
     """The HTTP app over `engine` (an EngineClient, or a zero-argument callable that builds one).
 
     `on_fatal(reason)` is called if the model fails to load or the engine loop dies (the CLI exits
@@ -42,7 +44,9 @@ def build_app(engine: Union["EngineClient", EngineFactory], *, served_model_name
     (no trailing-slash redirects, which would build a `Location` from the client's `Host`), and every
     GET route answers HEAD too (HEAD-based health checks). `ui`: serve the chat page at `/` (static files
     that need no key; the page asks for it on a 401). `state_dir` (`--state-dir`, the engine's own folder):
-    stored responses are kept in `state_dir/responses` and come back after a restart."""
+    stored responses are kept in `state_dir/responses` and come back after a restart. Every OpenAI route is
+    also served without `/v1` (`server.middleware.WithoutV1`). `cors_origins` (`--cors-origins`): the origins
+    whose pages may call the server (`*`: any); None or empty: same-origin only (no CORS headers at all)."""
     ctx = ServerContext(engine, served_model_name=served_model_name, api_key=api_key,
                         shutdown_grace_s=shutdown_grace_s, on_fatal=on_fatal, limits=limits, state_dir=state_dir)
 
@@ -69,7 +73,10 @@ def build_app(engine: Union["EngineClient", EngineFactory], *, served_model_name
     _document_errors_only_as_sent(app)
     app.add_middleware(HeadAsGet)
     app.add_middleware(BodySizeLimit, limits=ctx.limits)
-    app.add_middleware(AnthropicErrors)  # outermost: Anthropic's error shape on /v1/messages, 413 included
+    app.add_middleware(AnthropicErrors)  # Anthropic's error shape on /v1/messages, 413 included
+    app.add_middleware(WithoutV1)
+    if cors_origins:  # outermost: a preflight is answered before any key check; every answer gets the headers
+        app.add_middleware(CORSMiddleware, **cors_options(cors_origins))
     return app
 
 

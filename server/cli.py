@@ -73,7 +73,13 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=_positive_int, default=ENGINE.max_num_batched_tokens,
                    help="token budget per tick")
     p.add_argument("--max-queue", type=_positive_int, default=ENGINE.max_queue, help="waiting requests before 429")
-    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on /v1 routes")
+    p.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' (or 'x-api-key: KEY') on every route but "
+                   "/health, /metrics and the chat page")
+    p.add_argument("--cors-origins", nargs="+", default=None, metavar="ORIGIN",
+                   help="origins whose web pages may call the server (e.g. http://localhost:3000; '*': any, then "
+                        "without credentials); default: none, same-origin pages only")
+    p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this PEM private key (with --ssl-certfile)")
+    p.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this PEM certificate (chain)")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     p.add_argument("--dtype", default=ENGINE.dtype, choices=["auto", "float32", "bfloat16", "float16", "quantized"],
                    help="model dtype (auto: a float model in bfloat16 on CPUs with AVX512-BF16 or AMX, "
@@ -156,7 +162,7 @@ def run_server(args: argparse.Namespace) -> int:
 
     app = build_app(engine_factory(args), served_model_name=args.served_model_name, api_key=args.api_key,
                     shutdown_grace_s=args.shutdown_grace, on_fatal=on_fatal, limits=limits_of(args),
-                    ui=not args.no_ui, state_dir=state_dir_of(args))
+                    ui=not args.no_ui, state_dir=state_dir_of(args), cors_origins=args.cors_origins)
     ctx = app.state.ctx
     idle_trim_from_env(ctx._stats)  # opt-in malloc_trim when idle (server/memory.py)
 
@@ -177,12 +183,12 @@ def run_server(args: argparse.Namespace) -> int:
             self.should_exit = True
 
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
-                            timeout_keep_alive=KEEP_ALIVE_S, timeout_graceful_shutdown=max(1, int(args.shutdown_grace)),
+                            timeout_keep_alive=KEEP_ALIVE_S, ssl_keyfile=args.ssl_keyfile, ssl_certfile=args.ssl_certfile, timeout_graceful_shutdown=max(1, int(args.shutdown_grace)),
                             # header limits, JSON refusals, lingering close; refusals counted in /metrics
                             **uvicorn_options(ctx.limits, ctx.metrics.count_edge_refusal))
     server = DrainingServer(config)
-    log.info("cellserve listening on http://%s:%d (model loads in the background; GET /health is 503 "
-             "until it is ready)", args.host, args.port)
+    log.info("cellserve listening on %s://%s:%d (model loads in the background; GET /health is 503 "
+             "until it is ready)", "https" if args.ssl_certfile else "http", args.host, args.port)
     server.run()
     if failed:
         log.error("exiting with status 1: %s", failed[0])
@@ -265,6 +271,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command in ("pull", "models"):
         return pull_command(args.name, args.dtype) if args.command == "pull" else models_command()
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if (args.ssl_keyfile is None) != (args.ssl_certfile is None):
+        parser.error("--ssl-keyfile and --ssl-certfile go together: pass both (a PEM key and its certificate)")
+    if args.replicas is not None and (args.cors_origins or args.ssl_certfile):
+        parser.error("--cors-origins and --ssl-* apply to the single server; with --replicas put a TLS/CORS "
+                     "proxy in front of Ray Serve's endpoint")
     if args.replicas is not None and args.state_dir is not None:
         parser.error("--state-dir does not work with --replicas yet (replicas would share one folder); use one")
     if args.replicas is not None:  # Ray is imported only here (an optional extra)

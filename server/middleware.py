@@ -1,5 +1,6 @@
-"""What guards every request before a route runs: the API-key dependency, HEAD routed as GET, and the
-request-body size limit (413, unread; `server.limits.Limits.max_body_bytes`)."""
+"""What guards every request before a route runs: the API-key dependency, HEAD routed as GET, the
+request-body size limit (413, unread; `server.limits.Limits.max_body_bytes`), the OpenAI routes also
+served without `/v1` (`WithoutV1`) and cross-origin requests (`cors`, Starlette's CORSMiddleware)."""
 
 import hmac
 import json
@@ -12,17 +13,56 @@ from server.errors import APIError, error_body
 from server.limits import Limits
 from server.state import ServerContext
 
+# The OpenAI routes that are also served without their `/v1` (as llama.cpp's server, vLLM and SGLang do), so
+# an SDK whose base_url lacks `/v1` works: `/chat/completions` is `/v1/chat/completions`, `/responses/{id}` is
+# `/v1/responses/{id}`, and so on. llama.cpp's own `/completion` (singular) is a route of its own.
+OPENAI_ROOTS = ("/chat/completions", "/completions", "/models", "/responses", "/embeddings", "/rerank", "/score")
+# Response headers a page on another origin may read (CORS `Access-Control-Expose-Headers`).
+EXPOSED_HEADERS = ("X-Request-Id", "Retry-After", "Content-Type")
+
 
 async def require_api_key(request: Request) -> None:
-    """`Authorization: Bearer <key>` when the server has a key; constant-time compare."""
+    """`Authorization: Bearer <key>` or `x-api-key: <key>` when the server has a key; constant-time compare."""
     expected = ServerContext.of(request).api_key
     if not expected:
         return
-    header = request.headers.get("authorization", "")
-    scheme, _, token = header.partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), expected.encode()):
-        raise APIError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>' with the "
-                       "key the server was started with (--api-key)", code="invalid_api_key")
+    token = request.headers.get("x-api-key")
+    if token is None:
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        token = token if scheme.lower() == "bearer" else ""
+    if not hmac.compare_digest(token.strip().encode(), expected.encode()):
+        raise APIError(401, "missing or wrong API key; send the header 'Authorization: Bearer <key>' (or "
+                       "'x-api-key: <key>') with the key the server was started with (--api-key)",
+                       code="invalid_api_key")
+
+
+class WithoutV1:
+    """ASGI middleware: a request for one of `OPENAI_ROOTS` without the `/v1` prefix is routed as the `/v1`
+    route it stands for (path and raw_path rewritten before routing, so the API key, the limits, the error
+    shapes and the docs are the `/v1` route's own; the OpenAPI schema lists each route once)."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and _openai_root(scope["path"]):
+            raw = scope.get("raw_path")
+            scope = {**scope, "path": "/v1" + scope["path"], "raw_path": b"/v1" + raw if raw else raw}
+        await self.app(scope, receive, send)
+
+
+def _openai_root(path: str) -> bool:
+    return any(path == root or path.startswith(root + "/") for root in OPENAI_ROOTS)
+
+
+def cors_options(origins: list[str]) -> dict:
+    """Starlette `CORSMiddleware` options for `--cors-origins`: the preflight (`OPTIONS`) is answered by the
+    middleware before any route or key check; any method and request header; `EXPOSED_HEADERS` readable
+    (an SSE stream's `X-Request-Id` for a cancel). Credentials (cookies) are allowed only for listed
+    origins, never with `*` (browsers refuse that pair, and it would hand any site the user's session)."""
+    wildcard = "*" in origins
+    return {"allow_origins": ["*"] if wildcard else list(origins), "allow_methods": ["*"], "allow_headers": ["*"],
+            "allow_credentials": not wildcard, "expose_headers": list(EXPOSED_HEADERS), "max_age": 600}
 
 
 class HeadAsGet:

@@ -138,10 +138,10 @@ def _finish_record(rec: RequestRecord, st: _StreamState, end: float) -> RequestR
     details = usage.get("prompt_tokens_details")
     if isinstance(details, dict) and isinstance(details.get("cached_tokens"), int):
         rec.cached_tokens = details["cached_tokens"]
-    drafts = usage.get("completion_tokens_details")
-    if isinstance(drafts, dict) and isinstance(drafts.get("accepted_prediction_tokens"), int):
-        rec.accepted_draft_tokens = drafts["accepted_prediction_tokens"]
-        rec.rejected_draft_tokens = drafts.get("rejected_prediction_tokens")
+    drafts = usage.get("cellserve_draft_tokens")  # cellserve's (OpenAI's fields are Predicted Outputs only)
+    if isinstance(drafts, dict) and isinstance(drafts.get("accepted"), int):
+        rec.accepted_draft_tokens = drafts["accepted"]
+        rec.rejected_draft_tokens = drafts.get("rejected")
     if st.error is not None:
         msg = st.error.get("message", st.error) if isinstance(st.error, dict) else st.error
         return rec.fail("sse_error", f"error event mid-stream: {msg}")

@@ -46,7 +46,7 @@ class RequestRecord:
     turn: int | None = None
     cached_tokens: int | None = None
     output_digest: str | None = None  # the streamed text's sha1 (16 hex): compares two servers' outputs
-    accepted_draft_tokens: int | None = None  # usage.completion_tokens_details' speculative counts, when sent
+    accepted_draft_tokens: int | None = None  # usage.cellserve_draft_tokens: speculative counts, when sent
     rejected_draft_tokens: int | None = None
 
     @property

@@ -41,8 +41,9 @@ def chat_choice(c: ChoiceState, token_str: TokenStr, want_logprobs: bool, conten
     finish = "tool_calls" if calls and c.finish_reason == "stop" else c.finish_reason
     if content is None and not calls and not parsed:
         content = c.text
-    message = {"role": "assistant", "content": content,
-               "refusal": None, "tool_calls": calls}
+    message = {"role": "assistant", "content": content, "refusal": None}
+    if calls:  # OpenAI omits the field when there are none
+        message["tool_calls"] = calls
     if with_reasoning:
         message["reasoning_content"] = message["reasoning"] = reasoning
     return {

@@ -40,18 +40,23 @@ def now() -> int:
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0,
-          drafts: tuple[int, int] = (0, 0)) -> dict:
+          drafts: tuple[int, int] = (0, 0), predicted: bool = False) -> dict:
     """OpenAI's usage; `prompt_tokens_details.cached_tokens`: prompt tokens whose cells came from the prefix
-    cache; `completion_tokens_details` (when speculative decoding drafted): drafted tokens kept / rejected."""
+    cache. Drafted tokens kept / rejected (when speculative decoding drafted) go to OpenAI's
+    `completion_tokens_details.accepted/rejected_prediction_tokens` only when the request sent a `prediction`
+    (OpenAI's Predicted Outputs, the one meaning those fields have); otherwise to cellserve's own
+    `cellserve_draft_tokens` (clients read OpenAI's fields as tokens paid for and wasted)."""
     out = {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
         "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
-    if any(drafts):
+    if any(drafts) and predicted:
         out["completion_tokens_details"] = {"accepted_prediction_tokens": drafts[0],
                                             "rejected_prediction_tokens": drafts[1]}
+    elif any(drafts):
+        out["cellserve_draft_tokens"] = {"accepted": drafts[0], "rejected": drafts[1]}
     return out
 
 
@@ -176,7 +181,8 @@ class Formatter:
 
     def total_usage(self) -> dict:
         return usage(self.run.prompt_tokens(), sum(len(s.token_ids) for s in self.states.values()),
-                     sum(self.cached.values()), tuple(map(sum, zip((0, 0), *self.drafts.values()))))
+                     sum(self.cached.values()), tuple(map(sum, zip((0, 0), *self.drafts.values()))),
+                     predicted=bool(self.run.params.prediction_ids))
 
     def note(self, k: int, out: RequestOutput) -> None:
         """Per-request facts carried by every output (prompt tokens served from the prefix cache)."""

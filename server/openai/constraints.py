@@ -48,12 +48,20 @@ class JsonSchemaFormat(StrictModel):
 
 
 class ResponseFormat(StrictModel):
+    """`schema` with type json_object is llama.cpp's extension: the object must also be valid against it
+    (applied as json_schema is, never ignored)."""
+
+    model_config = ConfigDict(strict=True, extra="ignore", populate_by_name=True)
     type: Literal["text", "json_object", "json_schema"]
     json_schema: JsonSchemaFormat | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
 
     @model_validator(mode="after")
     def _schema_present(self):
         if self.type == "json_schema" and self.json_schema is None:
             raise ParamError("response_format", "type json_schema needs a json_schema object: "
                              "{'name': ..., 'schema': {...}, 'strict': true}")
+        if self.schema_ is not None and self.type != "json_object":
+            raise ParamError("response_format", f"a top-level 'schema' goes with type json_object (llama.cpp's "
+                             f"form), not {self.type!r}; for json_schema put it in json_schema.schema")
         return self

@@ -280,6 +280,8 @@ class SamplingFields(StrictModel):
     def guided(self) -> dict | None:
         """The output constraint as `engine.api.sampling_params.GuidedDecoding` fields (kind, spec, choices, param)."""
         rf = self.response_format
+        if rf is not None and rf.type == "json_object" and rf.schema_ is not None:  # llama.cpp's extension
+            return {"kind": "json_schema", "spec": json.dumps(rf.schema_), "param": "response_format"}
         if rf is not None and rf.type == "json_object":
             return {"kind": "json_object", "param": "response_format"}
         if rf is not None and rf.type == "json_schema":

@@ -20,7 +20,7 @@ import re
 import time
 from collections import OrderedDict
 
-ID = re.compile(r"^[a-z]+-r(\d+)-([0-9a-f]{8})-[0-9a-f]{32}$")
+ID = re.compile(r"^[a-z]+[-_]r(\d+)-([0-9a-f]{8})-[0-9a-f]{32}$")
 ROUTED = re.compile(r"^/v1/(?:sequences|requests|responses)/([^/]+)(?:/[^/]*)?$")
 PREFIX_CHARS = (256, 1024, 4096, 16384)
 PREFIX_SLACK = 4

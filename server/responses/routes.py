@@ -76,7 +76,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
                                       max_tokens=body.max_output_tokens, template_kwargs=kwargs)
     except ClientGone:
         return Response(status_code=driver.GONE)
-    rid = new_id("resp")
+    rid = new_id("resp", sep="_")  # OpenAI's shape
     try:
         reply = await reply_of(ctx, tools, turn.append)
         run = GenerationRun(engine, rid, [turn.append], sampling(body, max_tokens, guided), seq_id=turn.seq_id,

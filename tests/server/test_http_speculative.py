@@ -29,14 +29,15 @@ def _complete(srv, stream: bool) -> tuple[str, dict]:
 def test_drafts_change_nothing_a_client_reads_but_the_usage_details(model_dir):
     with LiveServer(model_dir, speculative="off") as srv:
         plain, plain_use = _complete(srv, stream=False)
-    assert "completion_tokens_details" not in plain_use
+    assert "completion_tokens_details" not in plain_use and "cellserve_draft_tokens" not in plain_use
     with LiveServer(model_dir, speculative="ngram") as srv:
         for stream in (False, True):
             text, use = _complete(srv, stream)
             assert text == plain
-            details = use["completion_tokens_details"]
-            assert details["accepted_prediction_tokens"] > 0
-            assert details["accepted_prediction_tokens"] + details["rejected_prediction_tokens"] > 0
+            assert "completion_tokens_details" not in use  # OpenAI's fields: Predicted Outputs only
+            details = use["cellserve_draft_tokens"]
+            assert details["accepted"] > 0
+            assert details["accepted"] + details["rejected"] > 0
             assert use["completion_tokens"] == plain_use["completion_tokens"]
         metrics = httpx.get(f"{srv.url}/metrics", timeout=10).text
     accepted = [line for line in metrics.splitlines() if line.startswith("cellserve:spec_decode_num_accepted_tokens")]

@@ -5,7 +5,8 @@ that is not GGUF, is truncated inside its header, or holds an architecture trans
 before anything slow happens. `convert_gguf(src, dest, dtype)` loads the file through transformers
 (`from_pretrained(folder, gguf_file=...)`, which needs the `gguf` and `accelerate` packages), dequantizes
 every weight to `dtype` and writes a plain folder (config, generation config, `model.safetensors`,
-tokenizer files with the file's chat template and special tokens) that `ModelRunner.from_pretrained`
+tokenizer files with the file's chat template and special tokens: the tokenizer the file itself describes,
+engine/loader/gguf_tokenizer.py, whatever the architecture) that `ModelRunner.from_pretrained`
 loads like any other. `dest` appears whole or not at all: it is written beside itself and renamed.
 """
 
@@ -229,7 +230,9 @@ def convert_gguf(src: Path, dest: Path, dtype: str, *, progress: bool = True, re
     meta = read_gguf_metadata(src)
     arch = check_architecture(src, meta)
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from engine.loader.gguf_tokenizer import tokenizer_from_gguf
 
     if dtype == "quantized":
         return _write_quantized_folder(src, dest, arch, record or {})
@@ -240,7 +243,7 @@ def convert_gguf(src: Path, dest: Path, dtype: str, *, progress: bool = True, re
     try:
         with _parse_once():
             stages.set_postfix_str("tokenizer")
-            tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+            tokenizer = tokenizer_from_gguf(src)
             stages.update()
             stages.set_postfix_str("weights")
             model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch_dtype,
@@ -277,13 +280,15 @@ def convert_gguf(src: Path, dest: Path, dtype: str, *, progress: bool = True, re
 def _write_quantized_folder(src: Path, dest: Path, arch: str, record: dict) -> dict:
     """`dest` for dtype "quantized": the config, generation config and tokenizer only; `cellserve.json`
     says the weights stay in `src` (`weights: "gguf"`), read as they are at every load."""
-    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+    from transformers import AutoConfig, GenerationConfig
+
+    from engine.loader.gguf_tokenizer import tokenizer_from_gguf
 
     tmp = dest.with_name(f".{dest.name}.tmp-{uuid.uuid4().hex[:8]}")
     started = time.perf_counter()
     try:
         with _parse_once():
-            tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+            tokenizer = tokenizer_from_gguf(src)
             config = _native_config(src) or AutoConfig.from_pretrained(src.parent, gguf_file=src.name)
         if hasattr(config, "quantization_config"):
             del config.quantization_config

@@ -89,6 +89,9 @@ def test_the_config_is_the_files(served):
         assert [layer.window for layer in runner.native.layers] == [4, None]
     assert all(isinstance(lin, QuantLinear) for layer in runner.native.layers for lin in layer.linears())
     assert runner.native.layers[0].q_norm is not None
+    # the file's own GPT-2 BPE tokenizer (engine/loader/gguf_tokenizer.py), whatever the architecture: text as text
+    text = "Nutritional facts, 42 grams"
+    assert runner.tokenizer.decode(runner.tokenizer.encode(text, add_special_tokens=False)) == text
 
 
 @pytest.mark.parametrize("fused", [True, False], ids=["kernels", "eager"])

@@ -243,7 +243,7 @@ def convert_gguf(src: Path, dest: Path, dtype: str, *, progress: bool = True, re
     try:
         with _parse_once():
             stages.set_postfix_str("tokenizer")
-            tokenizer = tokenizer_from_gguf(src)
+            tokenizer = tokenizer_from_gguf(src, read_gguf_metadata(src, arrays=True))
             stages.update()
             stages.set_postfix_str("weights")
             model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch_dtype,
@@ -288,7 +288,7 @@ def _write_quantized_folder(src: Path, dest: Path, arch: str, record: dict) -> d
     started = time.perf_counter()
     try:
         with _parse_once():
-            tokenizer = tokenizer_from_gguf(src)
+            tokenizer = tokenizer_from_gguf(src, read_gguf_metadata(src, arrays=True))
             config = _native_config(src) or AutoConfig.from_pretrained(src.parent, gguf_file=src.name)
         if hasattr(config, "quantization_config"):
             del config.quantization_config

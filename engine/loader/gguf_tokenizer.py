@@ -36,14 +36,11 @@ PRE_TOKENIZERS = {
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp's token types (1 normal, 2 unknown, 5 unused, 6 byte)
 
 
-def tokenizer_from_gguf(path: str | Path, meta: dict | None = None):
+def tokenizer_from_gguf(path: str | Path, meta: dict):
     """A `PreTrainedTokenizerFast` of the file's own tokenizer, special tokens and chat template. `meta`: the
-    file's metadata with arrays (`read_gguf_metadata(path, arrays=True)`), read here when not given."""
+    file's metadata with arrays (engine/loader/gguf.py's `read_gguf_metadata(path, arrays=True)`)."""
     from transformers import PreTrainedTokenizerFast
 
-    from engine.loader.gguf import read_gguf_metadata
-
-    meta = read_gguf_metadata(path, arrays=True) if meta is None else meta
     name = Path(path).name
     model = meta.get("tokenizer.ggml.model")
     tokens = meta.get("tokenizer.ggml.tokens")

@@ -11,6 +11,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from engine.api.errors import ModelSourceError
 from engine.loader.default import DEFAULT_MODEL_DIR
+from engine.loader.gguf import read_gguf_metadata
 from engine.loader.gguf_tokenizer import tokenizer_from_gguf
 
 SAMPLES = [*CORPUS, "Nutritional facts: 12345 grams, 3.14159!", "  leading and  double  spaces\n\ttabs\n",
@@ -49,6 +50,10 @@ def write_tokenizer_gguf(path, arch: str, hf, model: str, pre: str | None = None
     return path
 
 
+def _read(path):
+    return tokenizer_from_gguf(path, read_gguf_metadata(path, arrays=True))
+
+
 def _smollm_like():
     """SmolLM2's layout (digits one at a time, then GPT-2's byte-level split), trained on the corpus."""
     tok = Tokenizer(models.BPE())
@@ -76,7 +81,7 @@ def test_a_gpt2_bpe_in_any_architecture_reads_as_text(arch, which, tmp_path):
     theirs = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR) if which == "bundled" else _smollm_like()
     pre = "gpt-2" if which == "bundled" else "smollm"
     path = write_tokenizer_gguf(tmp_path / "t.gguf", arch, theirs, "gpt2", pre)
-    ours = tokenizer_from_gguf(path)
+    ours = _read(path)
     _assert_same(ours, theirs)
     assert ours.decode(ours.encode("Nutritional facts")) == "Nutritional facts"
     assert ours.bos_token == "<|bos|>" and ours.eos_token == "<|eos|>"
@@ -89,7 +94,7 @@ def test_a_gpt2_bpe_in_any_architecture_reads_as_text(arch, which, tmp_path):
 def test_add_bos_follows_the_file(tmp_path):
     theirs = tiny_tokenizer()
     path = write_tokenizer_gguf(tmp_path / "t.gguf", "qwen3", theirs, "gpt2", "gpt-2", add_bos=True)
-    ids = tokenizer_from_gguf(path).encode("hello")
+    ids = _read(path).encode("hello")
     assert ids[0] == theirs.bos_token_id and ids[1:] == theirs.encode("hello", add_special_tokens=False)
 
 
@@ -112,7 +117,7 @@ def test_a_sentencepiece_file_reads_as_text(tmp_path):
     scores = [-float(rank[t]) - 1 if t in rank else 0.0 for t, _ in vocab]
     theirs = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<|bos|>")
     path = write_tokenizer_gguf(tmp_path / "t.gguf", "gemma3", theirs, "llama", scores=scores, add_bos=False)
-    ours = tokenizer_from_gguf(path)
+    ours = _read(path)
     for text in SAMPLES[:4] + ["hello world", "Romeo, Romeo"]:
         ids = theirs.encode(text, add_special_tokens=False)
         assert ours.encode(text, add_special_tokens=False) == ids, text
@@ -124,4 +129,4 @@ def test_a_sentencepiece_file_reads_as_text(tmp_path):
 def test_an_unknown_tokenizer_is_an_error_naming_it(model, pre, match, tmp_path):
     path = write_tokenizer_gguf(tmp_path / "t.gguf", "qwen3", tiny_tokenizer(), model, pre)
     with pytest.raises(ModelSourceError, match=match):
-        tokenizer_from_gguf(path)
+        _read(path)

@@ -140,19 +140,24 @@ def gguf_folder(path: Path, dtype="auto", *, home: Path | None = None, progress:
 def _servable_dtype(path: Path, meta: dict, dtype) -> str:
     """`dtype` for this file: "auto" is "quantized" for a file of an architecture the native forward
     runs (`QUANT_ARCHS`) with quantized matrices the kernels read (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K,
-    Q6_K; `quantized_share`), else float32 (an F32/F16/BF16 file, another architecture: cellserve's
-    output then equals transformers' token for token); "quantized" on another architecture: float32
-    (logged); "float32"/"bfloat16"/"float16": dequantized to it, as asked."""
+    Q6_K; `quantized_share`); float32 for an F32/F16/BF16 file of those (cellserve's output then equals
+    transformers' token for token); for any other architecture (the transformers fallback, logged with the
+    reason) this CPU's float dtype (`auto_float_dtype`: bfloat16 where it multiplies bf16 natively, never
+    float32 there), each tensor dequantized straight to it. "quantized" on another architecture: that same
+    float dtype (logged); "float32"/"bfloat16"/"float16": dequantized to it, as asked."""
+    from engine.api.cpu import auto_float_dtype
     from engine.loader.gguf import QUANT_ARCHS, quantized_share
 
-    if str(dtype) == "auto":
-        quantizable = meta["general.architecture"] in QUANT_ARCHS and quantized_share(path) > 0
-        return "quantized" if quantizable else "float32"
-    name = gguf_dtype(dtype)
-    if name == "quantized" and meta["general.architecture"] not in QUANT_ARCHS:
-        log.warning("%s: architecture %r is not served quantized (only %s); dequantizing to float32",
-                    path.name, meta["general.architecture"], ", ".join(QUANT_ARCHS))
-        return "float32"
+    arch = meta["general.architecture"]
+    name = str(dtype) if str(dtype) == "auto" else gguf_dtype(dtype)
+    if arch not in QUANT_ARCHS:
+        fallback = auto_float_dtype() if name in ("auto", "quantized") else name
+        log.warning("%s: architecture %r has no native forward here (it runs %s); serving it on the transformers "
+                    "fallback, its weights dequantized tensor by tensor to %s", path.name, arch,
+                    ", ".join(QUANT_ARCHS), fallback)
+        return fallback
+    if name == "auto":
+        return "quantized" if quantized_share(path) > 0 else "float32"
     return name
 
 

@@ -8,6 +8,7 @@ A step arrives as a `FlatStep` (engine/model/flat_step.py).
 """
 
 import inspect
+import logging
 import os
 from pathlib import Path
 
@@ -35,6 +36,7 @@ from engine.model.native.model import NativeLlama, native_unsupported
 from engine.model.native.rows import drafted_step
 
 DEFAULT_N_CELLS = 8192
+log = logging.getLogger("cellserve.runner")
 
 
 def kv_bytes_per_cell(config, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -133,6 +135,9 @@ class ModelRunner:
         if native and reason:
             raise ValueError(f"native=True but {reason}")
         self.native = NativeLlama(model, self.spec, tensors) if native is not False and reason is None else None
+        if self.native is None and native is None and attention == "fast":
+            log.warning("%s runs on the transformers fallback (the unmodified modules, slower), not the native "
+                        "forward: %s", type(model).__name__, reason)
         self._samples = None  # the modules' weight samples, kept once their weights are released
         # transformers 5.24 renamed `past_key_values` to `cache`; accept both so 5.23 keeps working.
         params = inspect.signature(model.forward).parameters

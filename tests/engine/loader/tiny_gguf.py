@@ -79,6 +79,17 @@ def tiny_gemma3(seed: int = 0):
     return _norms_away(Gemma3ForCausalLM(cfg).eval(), -0.5, 0.5)
 
 
+def tiny_gemma2(seed: int = 0):
+    """An architecture without a native forward (Gemma 2: attention logit soft-capping), for the fallback."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Gemma2Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+                       sliding_window=4, query_pre_attn_scalar=256, bos_token_id=1, eos_token_id=2)
+    return _norms_away(Gemma2ForCausalLM(cfg).eval(), -0.5, 0.5)
+
+
 def _norms_away(model, lo: float, hi: float):
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -97,8 +108,8 @@ def write_llama_gguf(path, model: LlamaForCausalLM, qtype, embed_qtype=None):
     k_types = {gguf.GGMLQuantizationType.Q4_K, gguf.GGMLQuantizationType.Q5_K, gguf.GGMLQuantizationType.Q6_K}
 
     cfg = model.config
-    arch = {"llama": "llama", "qwen3": "qwen3", "gemma3_text": "gemma3"}[cfg.model_type]
-    gemma = arch == "gemma3"
+    arch = {"llama": "llama", "qwen3": "qwen3", "gemma3_text": "gemma3", "gemma2": "gemma2"}[cfg.model_type]
+    gemma = arch.startswith("gemma")
     w = gguf.GGUFWriter(str(path), arch)
     w.add_name(f"tiny {arch}")
     w.add_context_length(cfg.max_position_embeddings)
@@ -116,6 +127,7 @@ def write_llama_gguf(path, model: LlamaForCausalLM, qtype, embed_qtype=None):
         w.add_value_length(head_dim)
     if gemma:
         w.add_sliding_window(cfg.sliding_window)
+    if arch == "gemma3":
         w.add_sliding_window_pattern(2)  # layer 0 local, layer 1 global (llama.cpp's default period is 6)
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
@@ -158,7 +170,7 @@ def write_llama_gguf(path, model: LlamaForCausalLM, qtype, embed_qtype=None):
             put(f"blk.{i}.post_ffw_norm.weight", sd[p + "post_feedforward_layernorm.weight"])
         else:
             put(f"blk.{i}.ffn_norm.weight", sd[p + "post_attention_layernorm.weight"])
-        if arch != "llama":
+        if arch in ("qwen3", "gemma3"):
             put(f"blk.{i}.attn_q_norm.weight", sd[p + "self_attn.q_norm.weight"])
             put(f"blk.{i}.attn_k_norm.weight", sd[p + "self_attn.k_norm.weight"])
         q, k = sd[p + "self_attn.q_proj.weight"], sd[p + "self_attn.k_proj.weight"]

@@ -6,6 +6,10 @@ the source, torch's version, the CPU's flags and the compiler flags. Anything th
 (no compiler, no ninja, `CELLSERVE_KERNELS=0`) leaves `load()` False with the reason in `why_not()`,
 and the native forward runs the same math in eager torch ops instead: the kernels are a speed-up,
 never a requirement.
+
+An image carries ready builds for several CPU levels instead (variants.py): with
+`CELLSERVE_KERNELS_PREBUILT=DIR`, `load()` loads the best one this CPU runs and builds nothing (no compiler
+needed); none fits: the build above, as without it.
 """
 
 import contextlib
@@ -21,6 +25,8 @@ from pathlib import Path
 
 import torch
 
+from engine.model.kernels import variants
+
 log = logging.getLogger("cellserve.kernels")
 
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
@@ -31,6 +37,7 @@ HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))  # in the 
 # which resolves to the copy torch has already loaded (same soname), so there is one OpenMP runtime.
 # -fno-math-errno lets the softmax's exp vectorize.
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno"]
+PREBUILT_ENV = "CELLSERVE_KERNELS_PREBUILT"  # a folder of variants.py's builds (docker/Dockerfile sets it)
 
 
 def load() -> bool:
@@ -44,12 +51,18 @@ def why_not() -> str | None:
     why = _build()
     if why is not None:
         log.warning("fused CPU kernels off (%s); the native forward uses eager ops", why)
+    else:
+        log.info("fused CPU kernels on")
     return why
 
 
 def _build() -> str | None:
     if os.environ.get("CELLSERVE_KERNELS") == "0":
         return "CELLSERVE_KERNELS=0"
+    if os.environ.get(PREBUILT_ENV):
+        found = variants.pick(Path(os.environ[PREBUILT_ENV]), variants.sources_key(SOURCES + HEADERS))
+        if found is not None:
+            return _load_prebuilt(*found)
     try:
         from torch.utils import cpp_extension
     except ImportError as e:  # pragma: no cover - torch always ships it
@@ -74,6 +87,15 @@ def _build() -> str | None:
     except (RuntimeError, OSError, ImportError, subprocess.SubprocessError) as e:
         lines = str(e).strip().splitlines() or [type(e).__name__]
         return "build failed: " + next((line for line in lines if "error" in line), lines[-1])
+    return None
+
+
+def _load_prebuilt(variant: variants.Variant, lib: Path) -> str | None:
+    try:
+        torch.ops.load_library(str(lib))
+    except (OSError, RuntimeError) as e:
+        return f"the prebuilt {variant.name} kernels did not load: {e}"
+    log.info("fused CPU kernels: the prebuilt %s build (%s)", variant.name, lib)
     return None
 
 
@@ -112,6 +134,16 @@ def _cpu_flags() -> str:
     return torch.backends.cpu.get_cpu_capability()
 
 
+def build_variants(root: Path) -> None:
+    """`--variants DIR`: compile every CPU level of variants.py into DIR (an image's build stage)."""
+    bindir = str(Path(sys.executable).parent)  # ninja beside this interpreter, as in _build
+    os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
+    variants.build_all(root, SOURCES, variants.sources_key(SOURCES + HEADERS), _CFLAGS)
+
+
 if __name__ == "__main__":  # `python -m engine.model.kernels.build`: build now (make does this at install)
     logging.basicConfig(level=logging.INFO)
-    print("fused CPU kernels:", "on" if load() else f"off ({why_not()})")
+    if sys.argv[1:2] == ["--variants"] and len(sys.argv) == 3:
+        build_variants(Path(sys.argv[2]))
+    else:
+        print("fused CPU kernels:", "on" if load() else f"off ({why_not()})")

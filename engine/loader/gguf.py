@@ -35,7 +35,7 @@ _ARCH_ALIASES = {"qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe", "gpt-oss": "g
 _PATCH_LOCK = threading.Lock()
 # llama.cpp architectures whose files can be served quantized (`dtype="quantized"`): the native forward's
 # (engine/loader/gguf_tensors.py reads their tensors as they are); others are dequantized to float32.
-QUANT_ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+QUANT_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
 # ggml tensor type ids; QUANT_TYPES: those the quantized kernels read as they are (gguf_tensors.KINDS)
 F32, F16, Q4_0, Q4_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 8, 12, 13, 14, 30
 QUANT_TYPES = (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K, Q6_K)
@@ -161,7 +161,7 @@ def quantized_share(path: str | Path) -> float:
     _, index = read_tensor_index(path)
     total = kept = 0
     for t in index.values():
-        if len(t.shape) != 2 or t.ggml_type not in GGMLQuantizationType._value2member_map_:
+        if len(t.shape) < 2 or t.ggml_type not in GGMLQuantizationType._value2member_map_:  # 3-D: experts
             continue
         block, size = GGML_QUANT_SIZES[GGMLQuantizationType(t.ggml_type)]
         nbytes = math.prod(t.shape) // block * size
@@ -246,8 +246,10 @@ def convert_gguf(src: Path, dest: Path, dtype: str, *, progress: bool = True, re
             tokenizer = tokenizer_from_gguf(src, read_gguf_metadata(src, arrays=True))
             stages.update()
             stages.set_postfix_str("weights")
+            moe = _moe_config(src)  # transformers' own mapping gets a MoE file's expert width wrong
+            config = {"config": moe} if moe is not None else {}
             model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch_dtype,
-                                                         **_dequantize_kwargs())
+                                                         **config, **_dequantize_kwargs())
             stages.update()
         _forget_quantization(model)
         bad = [n for n, p in model.named_parameters() if type(p.data) is not torch.Tensor or p.dtype != torch_dtype]
@@ -318,11 +320,22 @@ def _native_config(src: Path):
     transformers' mapping gets wrong, else None."""
     from engine.loader.gguf_config import CONFIG_ARCHS, config_from_metadata
 
+    moe = _moe_config(src)
+    if moe is not None:
+        return moe
     _, index = read_tensor_index(src)
     meta = read_gguf_metadata(src, arrays=True)  # a layer pattern may be an array
     if meta["general.architecture"] not in CONFIG_ARCHS:
         return None
     return config_from_metadata(meta, index["token_embd.weight"].shape[0], "output.weight" not in index)
+
+
+def _moe_config(src: Path):
+    """The config of a mixture-of-experts file, from its metadata (engine/loader/gguf_moe.py), else None."""
+    from engine.loader.gguf_moe import is_moe_file, moe_config
+
+    meta, index = read_tensor_index(src)
+    return moe_config(src, meta, index) if is_moe_file(meta) else None
 
 
 def _dequantize_kwargs() -> dict:

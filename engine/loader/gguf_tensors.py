@@ -6,7 +6,8 @@ returns every tensor of a Llama-family file (`QUANT_ARCHS`) by its llama.cpp nam
 Q4_K, Q5_K and Q6_K tensors as `QuantWeight` (repacked once from the file's blocks into the arrays the
 kernels read: below, and engine/model/kernels/csrc/quant_linear.cpp), F32/F16/BF16 as they are (F32
 norms, F16/BF16 in bfloat16), and any other type dequantized by gguf-py to bfloat16 per tensor (logged
-once per file).
+once per file). A mixture-of-experts projection (`blk.N.ffn_{gate,up,down}_exps`, 3-D [E, N, K]) is a list
+of E such weights, each repacked from its expert's contiguous slice of the file's bytes.
 `load_gguf_model(folder)` builds the transformers model of a `cellserve.json` folder whose weights are
 in a GGUF file (`weights: "gguf"`) as a skeleton with zero-byte placeholder weights, so the native
 forward is the one holder of the weights.
@@ -250,7 +251,10 @@ def load_quantized(path: str | Path) -> tuple[dict, dict[str, "QuantWeight | tor
             data.seek(t.offset)
             raw = np.frombuffer(data.read(numel // block * type_size), dtype=np.uint8)
             kind = KINDS.get(t.ggml_type)
-            if kind and len(t.shape) == 2 and t.shape[1] % BLOCK_WEIGHTS[kind] == 0:
+            if len(t.shape) == 3:  # a MoE projection's experts [E, N, K]: one weight per expert's slice
+                w = _experts(raw, t, qtype, kind)
+                as_bf16 |= set() if kind or t.ggml_type == F32 else {qtype.name}
+            elif kind and len(t.shape) == 2 and t.shape[1] % BLOCK_WEIGHTS[kind] == 0:
                 w = pack_blocks(raw, t.ggml_type, *t.shape)
             elif t.ggml_type == F32 or len(t.shape) == 1:  # norms, biases: float32
                 arr = raw.view(np.float32) if t.ggml_type == F32 else quants.dequantize(raw, qtype)
@@ -266,6 +270,18 @@ def load_quantized(path: str | Path) -> tuple[dict, dict[str, "QuantWeight | tor
         log.warning("%s: tensors of type %s are not read by the quantized kernels; served as bfloat16",
                     Path(path).name, ", ".join(sorted(as_bf16)))
     return meta, out
+
+
+def _experts(raw: np.ndarray, t: TensorInfo, qtype, kind: str | None) -> list:
+    """A 3-D expert tensor [E, N, K] as E weights, each from its own contiguous slice of the file's bytes: a
+    `QuantWeight` in a kind the kernels read, else a float tensor (float32 for F32, bfloat16 otherwise)."""
+    n_exp, n, k = t.shape
+    per = raw.size // n_exp
+    if kind and k % BLOCK_WEIGHTS[kind] == 0:
+        return [pack_blocks(raw[e * per:(e + 1) * per], t.ggml_type, n, k) for e in range(n_exp)]
+    if t.ggml_type == F32:
+        return list(torch.from_numpy(raw.view(np.float32).copy().reshape(t.shape)).unbind(0))
+    return [_bf16(raw[e * per:(e + 1) * per], t.ggml_type, qtype).reshape(n, k) for e in range(n_exp)]
 
 
 def _bf16(raw: np.ndarray, ggml_type: int, qtype) -> torch.Tensor:

@@ -96,7 +96,8 @@ class Layer:
     """One decoder layer's fused weights, the window its attention uses and its layer type (the RoPE table)."""
 
     def __init__(self, layer, window: int | None, family: Family, layer_type: str | None = None,
-                 quantized: dict | None = None):
+                 quantized: dict | None = None, mlp=None):
+        """`mlp`: the layer's MLP piece when it is not a `DenseMLP` of `layer.mlp` (a mixture-of-experts block)."""
         attn = layer.self_attn
         self.scale = attn.scaling
         self.window = window
@@ -118,7 +119,7 @@ class Layer:
             self.q_norm, self.k_norm = norm_weight(attn.q_norm, one), norm_weight(attn.k_norm, one)
         self.qkv = fused_linear(attn.q_proj, attn.k_proj, attn.v_proj)
         self.o = fused_linear(attn.o_proj)
-        self.mlp = DenseMLP.of(layer.mlp, family.act)
+        self.mlp = mlp if mlp is not None else DenseMLP.of(layer.mlp, family.act)
 
     def linears(self) -> list[Linear]:
         return [self.qkv, self.o, *self.mlp.linears()]

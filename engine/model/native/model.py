@@ -57,9 +57,10 @@ from engine.model.kernels import build as kernels
 from engine.model.native.attention import Attend
 from engine.model.native.layer import Family, Layer, norm_eps, norm_weight
 from engine.model.native.linear import fused_linear, two_copies
+from engine.model.native.moe import gguf_moe, moe_of, moe_unsupported
 
 NATIVE_ARCHS = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM",
-                "Gemma3ForCausalLM")
+                "Gemma3ForCausalLM", "Qwen3MoeForCausalLM", "MixtralForCausalLM")
 
 
 def native_unsupported(model) -> str | None:
@@ -73,6 +74,9 @@ def native_unsupported(model) -> str | None:
         return f"hidden activation {family.act!r}"
     if getattr(cfg, "attn_logit_softcapping", None) is not None:
         return f"attention logit soft-capping ({cfg.attn_logit_softcapping})"
+    moe = next(filter(None, (moe_unsupported(layer.mlp) for layer in model.model.layers)), None)
+    if moe:
+        return moe
     if model.device.type != "cpu":
         return "the native forward is written for CPU"
     return None
@@ -103,7 +107,8 @@ class NativeLlama:
         else:
             windows = [spec.window] * len(base.layers)
         if tensors is None:
-            self.layers = [Layer(layer, w, family, t) for layer, w, t in zip(base.layers, windows, types)]
+            self.layers = [Layer(layer, w, family, t, mlp=moe_of(layer.mlp))  # a MoE block: engine/model/native/moe.py
+                           for layer, w, t in zip(base.layers, windows, types)]
             self.norm = norm_weight(base.norm, family.norm_plus_one)  # not a view into the file's mapping
             self.head = fused_linear(model.lm_head, gemv=True)
             table = base.embed_tokens.weight
@@ -114,7 +119,7 @@ class NativeLlama:
         else:
             from engine.model.native import quant
 
-            self.layers = [Layer(layer, w, family, t, quant.layer_weights(tensors, i, family.act))
+            self.layers = [Layer(layer, w, family, t, gguf_moe(quant.layer_weights(tensors, i, family.act), layer.mlp))
                            for i, (layer, w, t) in enumerate(zip(base.layers, windows, types))]
             self.embed, self.norm, self.head = quant.model_weights(tensors)
         self.windows = sorted(set(windows), key=lambda w: -1 if w is None else w)

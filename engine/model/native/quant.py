@@ -386,6 +386,8 @@ def layer_weights(tensors: dict, i: int, act: str = "silu") -> dict:
                       ("post_ffn", "post_ffw_norm")):
         if f"{key}.weight" in t:
             out[name] = t[f"{key}.weight"].float()
+    if "ffn_gate_inp.weight" in t:  # a mixture-of-experts block: its router and experts, for moe.MoeBlock
+        return out | {"moe": {k: v for k, v in t.items() if k.startswith("ffn_") and k != "ffn_norm.weight"}}
     gate_up = linear_of([t["ffn_gate.weight"], t["ffn_up.weight"]], swiglu=True)  # both have `swiglu`
     down = linear_of([t["ffn_down.weight"]], t.get("ffn_down.bias"))
     return out | {"mlp": DenseMLP(gate_up, gate_up, down, act=act, gate_up=gate_up)}

@@ -1,0 +1,197 @@
+"""MoeBlock: the native forward's mixture-of-experts feed-forward (Qwen3-MoE, Mixtral; OLMoE's block too).
+
+A router (`[E, H]` linear) scores every row; softmax (float32) -> the top k experts -> renormalised over
+the chosen k when `norm_topk_prob` (Qwen3-MoE; Mixtral always, which is softmax over the chosen logits)
+-> each chosen expert is a SwiGLU MLP `down(silu(gate(h)) * up(h))`, its output weighted and summed.
+
+How a flat step runs: the step's (row, expert) pairs are sorted by expert once (one argsort, no Python
+loop over rows); each ACTIVE expert then runs once over all its rows (one gate|up and one down call per
+expert: a GEMM for many rows, the one-row kernels at one row), and its weighted rows are added back with
+`index_add_`. Experts no row chose are never touched, so at one row only the k chosen experts' bytes are
+read: a decode step streams the active parameters, not the file. Each row's sum runs over its experts in
+ascending expert id whatever the other rows are (as transformers' `index_add_` loop does), so a row
+computes as alone wherever the expert kernels do (engine/model/native/rows.py).
+
+Experts are held two ways, one copy each:
+- `FloatExperts`: the transformers model's stacked 3-D parameters (`gate_up_proj` [E, 2I, H],
+  `down_proj` [E, H, I]) as they are; an expert is a view, multiplied by `F.linear`.
+- `QuantExperts`: a GGUF file's `ffn_{gate,up,down}_exps` tensors, each expert a contiguous slice of the
+  file's blocks repacked per expert (engine/loader/gguf_tensors.py) and run on the same quantized linears
+  as a dense layer (`linear_of`: quant_tiles for Q8_0/Q4_0/Q4_1, the row kernel / GEMM for the K-quants).
+"""
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.model.native.linear import Linear
+from engine.model.native.quant import linear_of
+from engine.model.native.rows import must_match_alone
+
+
+def is_moe(mlp) -> bool:
+    """Whether a transformers decoder layer's `mlp` is a routed mixture of experts (router `gate` + `experts`)."""
+    return hasattr(mlp, "experts") and hasattr(mlp, "gate")
+
+
+def moe_of(mlp) -> "MoeBlock | None":
+    """The native block of a transformers layer's `mlp` when it is a mixture of experts, else None (a dense MLP)."""
+    return MoeBlock.of_module(mlp) if is_moe(mlp) else None
+
+
+def gguf_moe(weights: dict, mlp) -> dict:
+    """A GGUF layer's weights (quant.layer_weights) with its MoE tensors (`moe`, when the block has a router) made
+    the layer's MLP piece, routed as the skeleton's transformers block `mlp` says."""
+    if "moe" not in weights:
+        return weights
+    return {k: v for k, v in weights.items() if k != "moe"} | {"mlp": MoeBlock.of_gguf(weights["moe"], mlp)}
+
+
+def moe_unsupported(mlp) -> str | None:
+    """Why `MoeBlock` cannot reproduce this transformers block (None when it can, or when it is no MoE block)."""
+    name = type(mlp).__name__
+    if not is_moe(mlp):
+        return None
+    if hasattr(mlp, "shared_expert"):
+        return f"{name} has a shared expert"
+    experts = mlp.experts
+    if getattr(experts, "has_bias", False) or getattr(experts, "is_transposed", False):
+        return f"{name}'s experts are biased or transposed"
+    if not all(hasattr(experts, a) for a in ("gate_up_proj", "down_proj")):
+        return f"{name}'s experts are not stacked gate_up_proj/down_proj tensors"
+    act = getattr(experts, "act_fn", None)
+    if act is not None and type(act).__name__ not in ("SiLU", "SiLUActivation"):
+        return f"{name}'s experts use {type(act).__name__}, not SiLU"
+    return None
+
+
+@dataclass
+class Routing:
+    """A step's (row, expert) pairs grouped by expert: `rows[bounds[i]:bounds[i + 1]]` are the rows that chose
+    `experts[i]` (ascending expert ids), weighted by `weights` over the same span."""
+
+    rows: torch.Tensor  # [T * k] int64
+    weights: torch.Tensor  # [T * k] the router weight of each pair (the activations' dtype)
+    experts: list[int]
+    bounds: list[int]
+
+
+def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, dtype: torch.dtype) -> Routing:
+    """The top `top_k` experts of each row of router `logits` [T, E] and their weights (as transformers:
+    softmax in float32, top k, renormalised over the k when `norm_topk_prob`, then cast to `dtype`)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, chosen = torch.topk(probs, top_k, dim=-1)
+    if norm_topk_prob:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    flat = chosen.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # pairs by expert; within an expert, by row
+    counts = torch.bincount(flat, minlength=logits.shape[1])
+    active = torch.nonzero(counts).reshape(-1)
+    ends = torch.cumsum(counts[active], 0)
+    bounds = [0, *ends.tolist()]
+    return Routing(order // top_k, weights.reshape(-1)[order].to(dtype), active.tolist(), bounds)
+
+
+class FloatExperts:
+    """A transformers model's stacked experts, as they are (views of its parameters: one copy)."""
+
+    def __init__(self, experts):
+        self.gate_up = experts.gate_up_proj.detach()  # [E, 2I, H]
+        self.down_w = experts.down_proj.detach()  # [E, H, I]
+        self.count, self.inter = self.gate_up.shape[0], self.gate_up.shape[1] // 2
+
+    def linears(self) -> list:
+        return []
+
+    def swiglu(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.gate_up[e])
+        return F.silu(y[:, : self.inter]).mul_(y[:, self.inter :])
+
+    def down(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        return F.linear(h, self.down_w[e])
+
+
+class QuantExperts:
+    """A GGUF file's experts: per expert a [gate; up] linear with its swiglu and a down linear, over the
+    expert's own slice of the file's blocks (`QuantWeight`s or float tensors; `linear_of` picks the kernels)."""
+
+    def __init__(self, gate: list, up: list, down: list):
+        if not len(gate) == len(up) == len(down):
+            raise ValueError(f"a MoE block needs as many gate, up and down experts; got {len(gate)}, {len(up)}, "
+                             f"{len(down)}")
+        self.gate_up = [linear_of([g, u], swiglu=True) for g, u in zip(gate, up)]
+        self.down_lin = [linear_of([d]) for d in down]
+        self.count = len(gate)
+
+    def linears(self) -> list:
+        return [*self.gate_up, *self.down_lin]
+
+    def swiglu(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        return self.gate_up[e].swiglu(x)
+
+    def down(self, e: int, h: torch.Tensor) -> torch.Tensor:
+        return self.down_lin[e](h)
+
+
+class MoeBlock:
+    """`sum_k w_k * expert_k(h)` per row, the experts each row's router chose (module docstring).
+
+    Guarantees: transformers' routing exactly (same softmax, top-k, renormalisation and weight dtype); each
+    active expert runs once a step over all its rows; experts no row chose are not read."""
+
+    def __init__(self, router, experts, top_k: int, norm_topk_prob: bool):
+        self.router, self.experts = router, experts
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        if not 0 < top_k <= experts.count:
+            raise ValueError(f"a MoE block of {experts.count} experts cannot route to the top {top_k}")
+
+    @staticmethod
+    def of_module(mlp) -> "MoeBlock":
+        """From a transformers sparse MoE block (its parameters as they are)."""
+        why = moe_unsupported(mlp)
+        if why:
+            raise ValueError(f"no native MoE block: {why}")
+        return MoeBlock(Linear([mlp.gate.weight]), FloatExperts(mlp.experts), *routing_of(mlp))
+
+    @staticmethod
+    def of_gguf(t: dict, mlp) -> "MoeBlock":
+        """From one GGUF block's tensors (`ffn_gate_inp`, `ffn_{gate,up,down}_exps`, each a list of per-expert
+        weights), routed as the skeleton's block `mlp` says."""
+        w = t.pop("ffn_gate_inp.weight")  # llama.cpp keeps routers in F32: the float linear, as a model's own
+        router = Linear([w]) if isinstance(w, torch.Tensor) and w.dtype == torch.float32 else linear_of([w])
+        experts = QuantExperts(*(t.pop(f"ffn_{p}_exps.weight") for p in ("gate", "up", "down")))
+        if t:
+            raise ValueError(f"a GGUF MoE block has tensors this forward does not read: {sorted(t)}")
+        return MoeBlock(router, experts, *routing_of(mlp))
+
+    def linears(self) -> list:
+        return [self.router, *self.experts.linears()]
+
+    def logits(self, h: torch.Tensor) -> torch.Tensor:
+        """Router logits [T, E]; in a step whose rows must compute as alone, one row at a time (a float
+        linear sums one row in another order than several: the top-k must not flip with the company)."""
+        if not must_match_alone(h.shape[0]) or h.shape[0] == 1:
+            return self.router(h)
+        return torch.cat([self.router(h[i:i + 1].clone()) for i in range(h.shape[0])])
+
+    def __call__(self, h: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
+        """The block's output [T, H] for normed hidden states `h` [T, H], plus `residual` when given (added
+        last, as transformers adds it: `residual + sum of the experts`)."""
+        r = route(self.logits(h), self.top_k, self.norm_topk_prob, h.dtype)
+        out = torch.zeros_like(h)
+        for e, a, b in zip(r.experts, r.bounds, r.bounds[1:]):
+            rows = r.rows[a:b]
+            x = h if b - a == h.shape[0] else h.index_select(0, rows)  # one row (decode): no copy
+            y = self.experts.down(e, self.experts.swiglu(e, x))
+            out.index_add_(0, rows, y.mul_(r.weights[a:b, None]).to(out.dtype))
+        return out if residual is None else residual + out
+
+
+def routing_of(mlp) -> tuple[int, bool]:
+    """(top_k, norm_topk_prob) of a transformers sparse MoE block (Mixtral's router always renormalises)."""
+    gate = mlp.gate
+    top_k = getattr(gate, "top_k", None) or getattr(mlp, "top_k", None)
+    if top_k is None:
+        raise ValueError(f"{type(mlp).__name__} names no top_k")
+    return int(top_k), bool(getattr(gate, "norm_topk_prob", True))

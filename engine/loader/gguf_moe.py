@@ -2,8 +2,8 @@
 
 transformers' GGUF config mapping gets these wrong: for `qwen3moe` it maps no `expert_feed_forward_length`, so
 `moe_intermediate_size` stays at its default and the weights do not fit; for a `llama` file with experts
-(Mixtral, as llama.cpp writes it) it builds a dense Llama. `moe_config(path)` reads the header and builds the
-config itself (`moe_config(path, meta, index)`, from the header `read_tensor_index` gives), and is honest about what it reads: every key under the
+(Mixtral, as llama.cpp writes it) it builds a dense Llama. `moe_config(path, meta, index)` builds the config
+from the header (as `read_tensor_index` gives it) itself, and is honest about what it reads: every key under the
 architecture's prefix must be one it maps or checks, and a value it cannot reproduce (rope scaling, a
 gating function other than softmax, scaled or shared experts, a partial rotary dimension) is a clear error
 naming the key, never a silent guess. Hand-written because no library maps these keys correctly.

@@ -31,6 +31,7 @@ from engine.model.hf_attention import (
     mask_spec_for,
     register_cell_attention,
 )
+from engine.model.lora import Dims, LoraRegistry
 from engine.model.native.linear import two_copies
 from engine.model.native.model import NativeLlama, native_unsupported
 from engine.model.native.rows import drafted_step
@@ -138,6 +139,7 @@ class ModelRunner:
         if self.native is None and native is None and attention == "fast":
             log.warning("%s runs on the transformers fallback (the unmodified modules, slower), not the native "
                         "forward: %s", type(model).__name__, reason)
+        self.loras = self._lora_registry()  # LoRA adapters (engine/model/lora.py): the native forward only
         self._samples = None  # the modules' weight samples, kept once their weights are released
         # transformers 5.24 renamed `past_key_values` to `cache`; accept both so 5.23 keeps working.
         params = inspect.signature(model.forward).parameters
@@ -213,6 +215,13 @@ class ModelRunner:
         """What the cells' identity fingerprints (engine/core/state/identity.py), as loaded."""
         return self._samples if self._samples is not None else module_weights.weight_samples(self.model)
 
+    def _lora_registry(self) -> LoraRegistry | None:
+        if self.native is None:
+            return None
+        with torch.inference_mode():  # the activations' dtype (a quantized model's are float32)
+            dtype = self.native._embed(torch.zeros(1, dtype=torch.int64, device=self.device)).dtype
+        return LoraRegistry(Dims.of(self.config, self.native), dtype)
+
     @property
     def n_cells(self) -> int:
         return self.cache.n_cells
@@ -225,7 +234,11 @@ class ModelRunner:
         try:
             with torch.inference_mode(), drafted_step(step.drafts):
                 if self.native is not None:
-                    logits = self.native.forward(self.cache, tokens, plan, rows)
+                    lora = self.loras.step(step.lora, self.device) if step.lora else None
+                    logits = self.native.forward(self.cache, tokens, plan, rows, lora)
+                elif step.lora:
+                    raise ValueError("LoRA adapters run on the native forward only; this model runs on the "
+                                     "transformers modules")
                 else:
                     logits = self._hf_forward(tokens, plan, rows)
         except BaseException:

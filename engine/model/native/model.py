@@ -144,16 +144,19 @@ class NativeLlama:
         for linear in [self.head, *(lin for layer in self.layers for lin in layer.linears())]:
             linear.small = small
 
-    def forward(self, cache: CellCache, tokens: torch.Tensor, plan: StepPlan, rows: torch.Tensor) -> torch.Tensor:
-        """Logits `[len(rows), vocab]` (fp32) of the given rows of this planned step."""
+    def forward(self, cache: CellCache, tokens: torch.Tensor, plan: StepPlan, rows: torch.Tensor,
+                lora=None) -> torch.Tensor:
+        """Logits `[len(rows), vocab]` (fp32) of the given rows of this planned step; `lora`: the step's
+        adapters (engine/model/lora.py `StepLora`), each adding its update to its own rows."""
         x = self._embed(tokens)
         attend = Attend(plan, self.n_kv, self.n_heads // self.n_kv, self.windows, x.device, self.fused)
         ropes = self._ropes(x, plan.positions)
-        for layer, pools in zip(self.layers, cache.layers):
+        for i, (layer, pools) in enumerate(zip(self.layers, cache.layers)):
             if not pools.is_initialized:  # the pools take their shape from the first K/V they see
                 kv = x.new_zeros(1, self.n_kv, 1, self.head_dim)
                 pools.lazy_initialization(kv, kv)
-            x = self._layer(layer, x, pools, ropes[layer.layer_type], plan.kv_cells, attend)
+            x = self._layer(layer, x, pools, ropes[layer.layer_type], plan.kv_cells, attend,
+                            lora.layer(i) if lora is not None else None)
         x = self._norm(x.index_select(0, rows), self.norm, self.norm_eps)
         logits = self.head(x).float()
         cap = self.family.softcap
@@ -178,20 +181,30 @@ class NativeLlama:
             out = dict.fromkeys({layer.layer_type for layer in self.layers}, out[None])
         return out
 
-    def _layer(self, layer: Layer, x, pools, rope, cells, attend) -> torch.Tensor:
-        qkv = layer.qkv(self._norm(x, layer.ln1, layer.eps1))
+    def _layer(self, layer: Layer, x, pools, rope, cells, attend, lora=None) -> torch.Tensor:
+        """One decoder layer; `lora` (a `LayerDeltas`): adapters' updates added to each linear's output."""
+        h = self._norm(x, layer.ln1, layer.eps1)
+        qkv = layer.qkv(h)
+        if lora is not None:
+            lora.add("qkv", h, qkv)
         if layer.q_norm is not None:
             self._qk_norm(layer, qkv)
         q = self._rope_store(qkv, rope, pools, cells)
         a = attend(q, pools, layer.scale, layer.window)
         if layer.post_attn is None:
             x = layer.o.plus(a, x)
+            if lora is not None:
+                lora.add("o", a, x)
         else:
-            x = x + self._norm(layer.o(a), layer.post_attn, layer.eps1).to(x.dtype)
+            o = layer.o(a)
+            if lora is not None:
+                lora.add("o", a, o)
+            x = x + self._norm(o, layer.post_attn, layer.eps1).to(x.dtype)
         h = self._norm(x, layer.ln2, layer.eps2)
+        mlp = layer.mlp if lora is None else lora.mlp(layer.mlp)
         if layer.post_ffn is None:
-            return layer.mlp(h, x)
-        return x + self._norm(layer.mlp(h), layer.post_ffn, layer.eps2).to(x.dtype)
+            return mlp(h, x)
+        return x + self._norm(mlp(h), layer.post_ffn, layer.eps2).to(x.dtype)
 
     def _qk_norm(self, layer: Layer, qkv: torch.Tensor) -> None:
         """Qwen3's / Gemma 3's RMSNorm over each Q and K head of `qkv` `[T, (Hq + 2 Hkv) D]`, in place."""

@@ -246,10 +246,10 @@ def convert_gguf(src: Path, dest: Path, dtype: str, *, progress: bool = True, re
             tokenizer = tokenizer_from_gguf(src, read_gguf_metadata(src, arrays=True))
             stages.update()
             stages.set_postfix_str("weights")
-            moe = _moe_config(src)  # transformers' own mapping gets a MoE file's expert width wrong
-            config = {"config": moe} if moe is not None else {}
+            config = _native_config(src)  # MoE, qwen3, gemma3 from the file; else transformers' own
             model = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch_dtype,
-                                                         **config, **_dequantize_kwargs())
+                                                         **({"config": config} if config else {}),
+                                                         **_dequantize_kwargs())
             stages.update()
         _forget_quantization(model)
         bad = [n for n, p in model.named_parameters() if type(p.data) is not torch.Tensor or p.dtype != torch_dtype]

@@ -8,6 +8,8 @@ kernels, a linear of 1-8 rows rounds its activations per block to int8, which mo
 < 0.01 when measured: asserted at 0.05, with the oracle's greedy tokens.
 """
 
+import json
+
 import gguf
 import numpy as np
 import pytest
@@ -128,3 +130,15 @@ def test_int8_cells_follow_the_oracle(served):
         torch.testing.assert_close(out[0], want, atol=DECODE_ATOL + 0.01 * float(want.abs().max()), rtol=0)
         ids.append(int(want.argmax()))
         out = runner.run({0: ([ids[-1]], len(ids) - 1)})
+
+
+def test_a_file_dequantized_to_float32_keeps_the_files_config(served, tmp_path):
+    """`--dtype float32`: transformers dequantizes the weights, under the config read from the file (its own
+    mapping would give this Qwen3 a head size of 128); the native forward then runs the float folder."""
+    _, _, folder, oracle = served
+    src = json.loads((folder / "cellserve.json").read_text())["gguf"]
+    floats = resolve_model(src, "float32", home=tmp_path, progress=False).path
+    runner = ModelRunner.from_pretrained(floats, dtype="float32", n_cells=64)
+    assert runner.native is not None and runner.config.head_dim == 32
+    ids = _prompt(12, 4)
+    torch.testing.assert_close(runner.run({0: (ids, 0)})[0], full_logits(oracle, ids)[-1], atol=1e-4, rtol=0)

@@ -20,6 +20,7 @@ from server.anthropic import routes as anthropic_routes
 from server.anthropic.errors import AnthropicErrors, require_key
 from server.errors import ERROR_RESPONSES, install_error_handlers, without_422
 from server.limits import Limits
+from server.llamacpp import routes as llamacpp_routes
 from server.middleware import BodySizeLimit, HeadAsGet, WithoutV1, cors_options, require_api_key
 from server.openai import routes as openai_routes
 from server.ops import routes as ops_routes
@@ -67,7 +68,8 @@ def build_app(engine: Union["EngineClient", EngineFactory], *, served_model_name
     if ui:
         app.include_router(ui_routes.router)
     guarded = [Depends(require_api_key)]
-    for router in (openai_routes.router, sequence_routes.router, ops_routes.router, responses_routes.router):
+    for router in (openai_routes.router, sequence_routes.router, ops_routes.router, responses_routes.router,
+                   llamacpp_routes.router):
         app.include_router(router, dependencies=guarded, responses=ERROR_RESPONSES)
     app.include_router(anthropic_routes.router, dependencies=[Depends(require_key)], responses=ERROR_RESPONSES)
     _document_errors_only_as_sent(app)

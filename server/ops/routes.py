@@ -3,7 +3,8 @@ tokenize/detokenize, cancel.
 
 `/health` and `/metrics` need no API key (load balancers and scrapers); everything else does when
 `--api-key` is set. `/health` is 200 only while the server admits work, 503 with the reason
-otherwise (loading, draining, failed). `/tokenize` and `/detokenize` use vLLM's shapes.
+otherwise (loading, draining, failed). `/tokenize` and `/detokenize` use vLLM's shapes, and llama.cpp's when
+the body says `content`.
 """
 
 import time
@@ -92,6 +93,9 @@ async def tokenize(body: TokenizeRequest, request: Request) -> dict:
     engine = ctx.require_engine()
     ids = await ctx.tokens.prompt_ids(body.prompt, body.messages, add_generation_prompt=body.add_generation_prompt,
                                       add_special_tokens=body.add_special_tokens, empty_ok=True)
+    if body.content is not None:  # llama.cpp's shape: ids, or {id, piece} with with_pieces
+        pieces = [{"id": t, "piece": ctx.tokens.token_str(t)} for t in ids] if body.with_pieces else ids
+        return {"tokens": pieces}
     strs = [ctx.tokens.token_str(t) for t in ids] if body.return_token_strs else None
     return {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": strs}
 
@@ -104,4 +108,5 @@ async def detokenize(body: DetokenizeRequest, request: Request) -> dict:
     bad = [t for t in body.tokens if t >= vocab]
     if bad:
         raise APIError(400, f"token id {bad[0]} is outside the vocabulary (size {vocab})", param="tokens")
-    return {"prompt": await ctx.tokens.decode(body.tokens)}
+    text = await ctx.tokens.decode(body.tokens)
+    return {"prompt": text, "content": text}  # vLLM's name, llama.cpp's

@@ -84,6 +84,10 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, dtype: torch.d
     weights, chosen = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    if logits.shape[0] == 1:  # one row (a decode step): its k experts in ascending order, no grouping
+        chosen, order = chosen[0].sort()
+        return Routing(torch.zeros(top_k, dtype=torch.int64), weights[0, order].to(dtype), chosen.tolist(),
+                       list(range(top_k + 1)))
     flat = chosen.reshape(-1)
     order = torch.argsort(flat, stable=True)  # pairs by expert; within an expert, by row
     counts = torch.bincount(flat, minlength=logits.shape[1])

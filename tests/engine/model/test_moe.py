@@ -186,3 +186,19 @@ def test_greedy_continuation_through_the_engine_matches_transformers(name):
         assert got[i].tokens[0] == greedy_oracle(model, p, 6)
     forked = prompts[0] + got[0].tokens[0][:3] + [11]
     assert branch.tokens[0] == greedy_oracle(model, forked, 5)
+
+
+def test_a_saved_folder_loads_on_the_native_forward_with_one_copy_of_the_experts(tmp_path):
+    """A Qwen3-MoE safetensors folder (`ModelRunner.from_pretrained`): the native forward runs it, the transformers
+    modules' weights are released, and the experts the native block holds (views of the loaded stacks) still give
+    transformers' logits."""
+    model = _model("qwen3_moe")
+    model.save_pretrained(tmp_path)
+    runner = ModelRunner.from_pretrained(tmp_path, dtype="float32", n_cells=64)
+    assert runner.native is not None
+    blocks = [layer.mlp for layer in runner.native.layers if isinstance(layer.mlp, MoeBlock)]
+    assert len(blocks) == 2  # layers 0 and 2; layer 1 is dense
+    assert all(p.untyped_storage().nbytes() <= 4 for n, p in runner.model.named_parameters() if "experts" in n)
+    ids = prompt(12, 8)
+    out = runner.run({0: (ids, 0)})
+    torch.testing.assert_close(out[0], full_logits(model, ids)[-1], atol=1e-4, rtol=0)

@@ -164,7 +164,7 @@ def run_server(args: argparse.Namespace) -> int:
                     shutdown_grace_s=args.shutdown_grace, on_fatal=on_fatal, limits=limits_of(args),
                     ui=not args.no_ui, state_dir=state_dir_of(args), cors_origins=args.cors_origins)
     ctx = app.state.ctx
-    idle_trim_from_env(ctx._stats)  # opt-in malloc_trim when idle (server/memory.py)
+    ctx.metrics.memory.trim = idle_trim_from_env(ctx._stats)  # malloc_trim once idle (server/memory.py)
 
     class DrainingServer(uvicorn.Server):
         """On SIGTERM/SIGINT the app stops admitting (503) before uvicorn starts its graceful wait.

@@ -58,6 +58,7 @@ def engine_factory(args: argparse.Namespace) -> Callable[[], object]:
                  engine.model_name, engine.dtype, _quantized(args.quantize), engine.max_model_len, engine.n_cells,
                  engine.cell_bytes, human_bytes(pool), engine.kv_cache_dtype,
                  "on" if engine.prefix_caching else "off (--no-prefix-cache)")
+        log.info("memory: %s", engine.memory().lines())
         return engine
 
     return build

@@ -1,54 +1,49 @@
-"""Handing freed heap back to the OS when the server goes idle (issue #30).
+"""Handing freed heap back to the OS once the engine goes idle (issue #47, item 3).
 
-glibc keeps freed memory in its arenas; after a burst of variable-size work (step tensors, JSON bodies,
-token lists) resident memory can stay at the burst's high-water mark although nothing holds it.
-`malloc_trim(0)` returns the free pages of every arena. `IdleTrim` calls it once each time the engine
-has had nothing running or waiting for `idle_s` seconds (so it never competes with a tick), from a
-daemon thread that polls the engine's counters once a second. Elsewhere than glibc it does nothing.
+glibc keeps freed memory in its arenas (the event loop's, each worker thread's, the engine thread's); after a
+burst of variable-size work (request bodies, JSON, token lists, step tensors) the process stays at the burst's
+high-water mark although nothing holds it. `malloc_trim(0)` returns the free pages of every arena. `IdleTrim`
+calls it once each time the engine has had nothing running or waiting, and taken no step, for `idle_s`
+seconds (so it never competes with a tick), from a daemon thread that polls the engine's counters every
+`poll_s`. It counts the trims and the RSS each gave back (`/metrics`: `cellserve:malloc_trims_total`,
+`cellserve:malloc_trim_released_bytes_total`). Elsewhere than glibc it does nothing.
 
-Opt-in: `CELLSERVE_MALLOC_TRIM_IDLE_S=5` (seconds of idleness before a trim; unset or 0: off). What it
-does to RSS is measured in docs/performance.md ("Memory over time").
+On by default, 1.5 s after the last step (`CELLSERVE_MALLOC_TRIM_IDLE_S` sets the seconds; 0 turns it off). A
+trim of the bundled model's server after a burst takes ~1-5 ms; what it returns is in docs/performance.md
+("Memory and the HTTP edge").
 """
 
-import ctypes
-import ctypes.util
+import gc
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable
 
+from engine.api.memory import malloc_trim, process_rss
+
 log = logging.getLogger("cellserve")
 ENV = "CELLSERVE_MALLOC_TRIM_IDLE_S"
-
-
-def _malloc_trim() -> Callable[[int], int] | None:
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):
-        return None
-    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
-    return trim
+DEFAULT_IDLE_S = 1.5
 
 
 class IdleTrim:
-    """`IdleTrim(stats, idle_s).start()`: `stats()` returns the engine's stats (or None while loading)."""
+    """`IdleTrim(stats, idle_s).start()`: `stats()` returns the engine's stats (or None while loading).
+    Guarantees: at most one trim per idle period, never while a request runs or waits."""
 
-    def __init__(self, stats: Callable[[], object], idle_s: float):
-        self.stats, self.idle_s = stats, idle_s
+    def __init__(self, stats: Callable[[], object], idle_s: float, poll_s: float = 0.25):
+        self.stats, self.idle_s, self.poll_s = stats, idle_s, poll_s
         self.trims = 0
-        self._trim = _malloc_trim()
+        self.released_bytes = 0  # RSS the trims gave back, summed
 
     def start(self) -> "IdleTrim":
-        if self._trim is not None:
-            threading.Thread(target=self._run, name="cellserve-idle-trim", daemon=True).start()
+        threading.Thread(target=self._run, name="cellserve-idle-trim", daemon=True).start()
         return self
 
     def _run(self) -> None:
         last_steps, idle_since, trimmed = None, time.monotonic(), True
         while True:
-            time.sleep(1.0)
+            time.sleep(self.poll_s)
             s = self.stats()
             if s is None:
                 continue
@@ -57,15 +52,27 @@ class IdleTrim:
             if busy:
                 idle_since, trimmed = time.monotonic(), False
             elif not trimmed and time.monotonic() - idle_since >= self.idle_s:
-                self._trim(0)
-                self.trims, trimmed = self.trims + 1, True
+                self.trim()
+                trimmed = True
+
+    def trim(self) -> bool:
+        """Collect Python's cyclic garbage, then trim; False where the C library cannot."""
+        before, _ = process_rss()
+        gc.collect()  # a burst's reference cycles (tasks, exceptions) keep whole pymalloc arenas alive until then
+        if not malloc_trim():
+            return False
+        after, _ = process_rss()
+        self.trims += 1
+        self.released_bytes += max(0, before - after)
+        return True
 
 
 def idle_trim_from_env(stats: Callable[[], object]) -> IdleTrim | None:
-    """Start an `IdleTrim` when CELLSERVE_MALLOC_TRIM_IDLE_S is set to a positive number of seconds."""
+    """Start an `IdleTrim` after CELLSERVE_MALLOC_TRIM_IDLE_S seconds of idleness (default 1.5; 0: off)."""
+    raw = os.environ.get(ENV)
     try:
-        idle_s = float(os.environ.get(ENV, "0") or 0)
+        idle_s = DEFAULT_IDLE_S if raw is None or raw == "" else float(raw)
     except ValueError:
-        log.warning("%s=%r is not a number of seconds; not trimming", ENV, os.environ.get(ENV))
-        return None
+        log.warning("%s=%r is not a number of seconds; trimming after %g s", ENV, raw, DEFAULT_IDLE_S)
+        idle_s = DEFAULT_IDLE_S
     return IdleTrim(stats, idle_s).start() if idle_s > 0 else None

@@ -10,6 +10,9 @@ Guarantees:
 - The process itself: prometheus_client's standard `process_resident_memory_bytes`,
   `process_open_fds`, `process_cpu_seconds_total`, ... (read from /proc at scrape time), and its peak
   resident memory, `cellserve:process_peak_resident_memory_bytes` (VmHWM).
+- Resident memory by owner (`cellserve:memory_bytes{owner=...}`: weights, cell_pool, step_buffers (the bound),
+  grammar_cache, prefix_index, tokenizer, allocator_free, other; engine/api/memory.py says what each is), read
+  from `engine.memory()` at scrape time, and the idle trims (server/memory.py) with the RSS they gave back.
 """
 
 import time
@@ -19,6 +22,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from engine.api.memory import MemoryReport
 from engine.api.outputs import EngineStats, RequestOutput
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -77,10 +81,35 @@ class PeakMemoryCollector(Collector):
                                     "Peak resident memory of this process (VmHWM).", value=int(line.split()[1]) * 1024)
 
 
+class MemoryCollector(Collector):
+    """`cellserve:memory_bytes{owner}` from the engine's `MemoryReport` at scrape time (nothing while loading),
+    and the idle trims' counters once `trim` (a server.memory.IdleTrim) is attached."""
+
+    def __init__(self, memory: Callable[[], MemoryReport | None]):
+        self._memory = memory
+        self.trim = None
+
+    def collect(self) -> Iterator[Metric]:
+        report = self._memory()
+        if report is not None:
+            family = GaugeMetricFamily("cellserve:memory_bytes", "Resident memory by owner (step_buffers: the "
+                                       "bound one step may allocate; allocator_free: held by malloc, unused).",
+                                       labels=["owner"])
+            for owner, value in report.owners().items():
+                family.add_metric([owner], value)
+            yield family
+        if self.trim is not None:
+            yield CounterMetricFamily("cellserve:malloc_trims", "malloc_trim calls after the engine went idle.",
+                                      value=self.trim.trims)
+            yield CounterMetricFamily("cellserve:malloc_trim_released_bytes", "RSS the idle trims gave back.",
+                                      value=self.trim.released_bytes)
+
+
 class ServerMetrics:
     """The app's registry plus the latency histograms and request counters the routes feed."""
 
-    def __init__(self, stats: Callable[[], EngineStats | None]):
+    def __init__(self, stats: Callable[[], EngineStats | None],
+                 memory: Callable[[], MemoryReport | None] = lambda: None):
         self.registry = CollectorRegistry()
         reg = self.registry
         self.ttft = Histogram("cellserve:time_to_first_token_seconds", "Queued to first generated token.",
@@ -102,6 +131,8 @@ class ServerMetrics:
         # process_resident_memory_bytes, open fds, CPU seconds, start time (Linux /proc; nothing elsewhere)
         ProcessCollector(registry=reg)
         reg.register(PeakMemoryCollector())
+        self.memory = MemoryCollector(memory)
+        reg.register(self.memory)
 
     def count_edge_refusal(self, status: int) -> None:
         self.edge_refusals.labels(status=str(status)).inc()

@@ -46,7 +46,7 @@ class ServerContext:
         self.limits = limits or Limits()
         self.state_dir = state_dir  # --state-dir: the server keeps its stored responses there too
         self.tokens: TokenizerService | None = None
-        self.metrics = ServerMetrics(self._stats)
+        self.metrics = ServerMetrics(self._stats, self._memory)
         self.runs: dict[str, GenerationRun] = {}
         self._load_task: asyncio.Task | None = None
 
@@ -119,6 +119,9 @@ class ServerContext:
 
     def _stats(self):
         return self.engine.stats() if self.engine is not None and self.state != "loading" else None
+
+    def _memory(self):
+        return self.engine.memory() if self.engine is not None and self.state != "loading" else None
 
     # in-flight runs, for POST /v1/requests/{id}/cancel
     def register(self, run: "GenerationRun") -> None:

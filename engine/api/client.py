@@ -9,6 +9,7 @@ one place that builds one is `server/config.py`. Guarantees of each call are the
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Protocol
 
+from engine.api.memory import MemoryReport
 from engine.api.outputs import EngineStats, RequestOutput, SequenceInfo
 from engine.api.sampling_params import SamplingParams
 
@@ -58,3 +59,5 @@ class EngineClient(Protocol):
     def check_fits(self, prompt_lens: list[int], max_tokens: int, n: int = 1) -> None: ...
 
     def stats(self) -> EngineStats: ...
+
+    def memory(self) -> MemoryReport: ...

@@ -97,6 +97,7 @@ def run_cellserve(model, prompts, output_len: int, attention: str, concurrency: 
     q, gap, cpu_gap = torch.tensor(ttft), torch.tensor(gaps or [0.0]) * 1e3, torch.tensor(cpu_gaps or [0.0]) * 1e3
     name = f"cellserve ({attention}{', native' if runner.native is not None else ''}"
     name += f", cap {prefill_cap})" if prefill_cap is not None else ")"
+    print(f"{name} at {concurrency}: memory {engine.memory().lines()}")
     return Row(name, concurrency, engine.generated_tokens, wall, cpu,
                float(q.quantile(0.5)), float(q.quantile(0.99)), 1 - runner.forward_s / step_s,
                float(gap.quantile(0.5)), float(gap.quantile(0.99)), float(cpu_gap.quantile(0.99)))

@@ -97,6 +97,10 @@ class Admission:
                 "it. Its compile goes on in the background and is cached, so the same request may pass later",
                 guided.param) from None
 
+    def grammar_cache_bytes(self) -> int:
+        """Bytes of compiled grammars cached (0 before the first structured-output request)."""
+        return self._grammars.cache_bytes() if self._grammars is not None else 0
+
     def grammar_state(self, compiled):
         """A fresh matcher for one choice of a request whose grammar `compile_grammar` made."""
         return self._grammars.state(compiled)

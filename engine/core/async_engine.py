@@ -25,6 +25,7 @@ from pathlib import Path
 
 from engine.api.args import EngineArgs
 from engine.api.errors import EngineUnavailable, RequestNotFound
+from engine.api.memory import MemoryReport
 from engine.api.outputs import CompletionOutput, EngineStats, RequestOutput, SequenceInfo
 from engine.api.sampling_params import SamplingParams
 from engine.core.detokenizer import OutputDetokenizer, context_ids
@@ -246,6 +247,10 @@ class AsyncEngine:
     def stats(self) -> EngineStats:
         """The engine's counters as of the last tick; never waits for the loop."""
         return self._stats
+
+    def memory(self) -> MemoryReport:
+        """Resident memory by owner, read now (engine/api/memory.py); never waits for the loop."""
+        return self.engine.memory()
 
     # ----- internals -------------------------------------------------------------------------
     def _emitter(self, stream: RequestStream) -> Callable[[RequestOutput], None]:

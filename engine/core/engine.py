@@ -17,10 +17,12 @@ import torch
 from engine.api.args import EngineArgs
 from engine.api.errors import InvalidRequest, SequenceBusy
 from engine.api.ids import new_id
+from engine.api.memory import MemoryReport
 from engine.api.outputs import EngineStats, PromptLogprobs, RequestOutput, SequenceInfo, TokenLogprob
 from engine.api.sampling_params import SamplingParams
 from engine.core.admission import Admission
 from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.memory import MemoryAccount
 from engine.core.output_processor import OutputProcessor
 from engine.core.persistent import SequenceTable
 from engine.core.prompt_logprobs import prompt_rows as plp_rows
@@ -78,6 +80,9 @@ class Engine:
                                                   always=cfg.speculative == "ngram", persistent=self.persistent.by_id.get,
                                                   drafter=self._drafter(draft))
         self.steps = self.generated_tokens = self.prompt_tokens = 0
+        self.memory_account = MemoryAccount([runner] + ([draft] if draft is not None else []),
+                                            cfg.max_num_batched_tokens, grammar=self.admission.grammar_cache_bytes,
+                                            prefix=self.scheduler.prefix.footprint)
 
     @classmethod
     def from_args(cls, args: EngineArgs, runner: ModelRunner | None = None) -> "Engine":
@@ -357,6 +362,10 @@ class Engine:
                            self.generated_tokens, self.prompt_tokens, self.steps,
                            len(sched.holders) - len(sched.running) - idle, prefix.queried_tokens, prefix.hit_tokens,
                            *((spec.drafted, spec.accepted) if (spec := self.speculative) else (0, 0)))
+
+    def memory(self) -> MemoryReport:
+        """Resident memory by owner (engine/api/memory.py); reads only, so any thread may ask."""
+        return self.memory_account.report()
 
     def free_cells(self) -> int:
         """Cells a new request can get: free ones plus those only cached prefixes hold."""

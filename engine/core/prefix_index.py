@@ -16,6 +16,7 @@ token ids equal the query on the whole match. The index costs work only when a s
 crosses a block boundary (amortised O(1/BLOCK) per decoded token).
 """
 
+import sys
 from dataclasses import dataclass
 
 from engine.core.sequence import Sequence
@@ -97,3 +98,9 @@ class PrefixIndex:
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+    def footprint(self) -> int:
+        """Bytes the index's own tables take (dicts, chains and holder sets; the sequences are not its)."""
+        size = sys.getsizeof(self._holders) + sys.getsizeof(self._blocks)
+        size += sum(sys.getsizeof(chain) + 32 * len(chain) for chain in list(self._blocks.values()))  # + the hashes
+        return size + sum(sys.getsizeof(h) for h in list(self._holders.values()))

@@ -2,7 +2,8 @@
 step's logits: `prompt_rows` says which rows a step keeps for them, `take_prompt_logprobs` turns those
 rows into the logprobs of the prompt tokens they predict. A request that asks scores every prompt token
 but the first (nothing predicts it) from the logits its own prefill computes, chunk by chunk, with one
-log_softmax / gather / top-k per chunk (no loop over tokens beyond building the output lists); its
+log_softmax / gather / top-k per block of BLOCK_ROWS rows (no loop over tokens beyond building the output
+lists; the temporaries stay BLOCK_ROWS x vocab however long the chunk); its
 sequence never takes a cached prefix (`Sequence.shares_prefix` is False), so no row is skipped; a row that was never
 computed is an error, never a silent gap.
 """
@@ -12,6 +13,8 @@ from __future__ import annotations
 import torch
 
 from engine.core.scheduler import Chunk
+
+BLOCK_ROWS = 64  # rows scored at once: the log-softmax and rank temporaries stay BLOCK_ROWS x vocab
 
 
 def prompt_rows(chunks: list[Chunk]) -> dict[int, int]:
@@ -46,17 +49,23 @@ def take_prompt_logprobs(chunks: list[Chunk], rows: dict[int, int], logits) -> N
         if skip >= k:
             continue
         targets = c.seq.token_ids[c.start + skip + 1 : c.start + k + 1]
-        lp = torch.log_softmax(block[skip:].float(), dim=-1)
-        chosen_t = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])
-        ranks = ((lp > chosen_t).sum(dim=-1) + 1).tolist()
-        chosen = chosen_t[:, 0].tolist()
-        n_top = req.params.prompt_logprobs
-        if n_top:
-            top_v, top_i = lp.topk(n_top, dim=-1)
-            tops = [list(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
-        else:
-            tops = [[] for _ in targets]
-        plp.token_ids.extend(targets)
-        plp.logprobs.extend(chosen)
-        plp.top.extend(tops)
-        plp.ranks.extend(ranks)
+        for at_row in range(0, len(targets), BLOCK_ROWS):  # temporaries of BLOCK_ROWS rows, not the chunk's
+            _append(plp, block[skip + at_row : skip + at_row + BLOCK_ROWS], targets[at_row : at_row + BLOCK_ROWS],
+                    req.params.prompt_logprobs)
+
+
+def _append(plp, logits, targets: list[int], n_top: int | None) -> None:
+    """The logprobs, ranks and top `n_top` of `targets` under these rows' logits, appended to `plp`."""
+    lp = torch.log_softmax(logits.float(), dim=-1)
+    chosen_t = lp.gather(1, torch.tensor(targets, device=lp.device)[:, None])
+    ranks = ((lp > chosen_t).sum(dim=-1) + 1).tolist()
+    chosen = chosen_t[:, 0].tolist()
+    if n_top:
+        top_v, top_i = lp.topk(n_top, dim=-1)
+        tops = [list(zip(i, v)) for i, v in zip(top_i.tolist(), top_v.tolist())]
+    else:
+        tops = [[] for _ in targets]
+    plp.token_ids.extend(targets)
+    plp.logprobs.extend(chosen)
+    plp.top.extend(tops)
+    plp.ranks.extend(ranks)

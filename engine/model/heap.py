@@ -7,24 +7,9 @@ memory resident after its load, 2.0 GB once trimmed (the weights are 1.7 GB). So
 ends with `trim()`. Where the C library has no `malloc_trim` (musl, macOS) it does nothing.
 """
 
-import ctypes
-import ctypes.util
-import functools
-
-
-@functools.cache
-def _malloc_trim():
-    try:
-        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-    except OSError:
-        return None
-    return getattr(libc, "malloc_trim", None)
+from engine.api.memory import malloc_trim
 
 
 def trim() -> bool:
     """Return the free heap memory to the OS; False where this C library cannot."""
-    malloc_trim = _malloc_trim()
-    if malloc_trim is None:
-        return False
-    malloc_trim(0)
-    return True
+    return malloc_trim()

@@ -76,6 +76,9 @@ class GrammarState:
         return self.matcher.is_terminated()
 
 
+GRAMMAR_CACHE_BYTES = 64 << 20  # compiled grammars kept for reuse (xgrammar's default: no limit)
+
+
 class GrammarCompiler:
     """Compiles `GuidedDecoding` specs for one tokenizer; xgrammar caches compiled grammars by spec."""
 
@@ -84,7 +87,12 @@ class GrammarCompiler:
 
         self._xgr = xgr
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=stop_ids or None)
-        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        # bounded: a burst of distinct schemas evicts the least recently used compiled grammars
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1, cache_limit_bytes=GRAMMAR_CACHE_BYTES)
+
+    def cache_bytes(self) -> int:
+        """Bytes the compiled grammars in xgrammar's cache take (at most GRAMMAR_CACHE_BYTES)."""
+        return int(self._compiler.get_cache_size_bytes())
 
     def compile(self, spec: GuidedDecoding):
         c, kind = self._compiler, spec.kind

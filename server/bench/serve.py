@@ -238,6 +238,9 @@ def run_args(args: argparse.Namespace, command: str | None = None) -> int:
                    "args": {k: v for k, v in vars(args).items() if k != "func" and k != "api_key"}},
     }
     print_report(full_report(run, results, summaries))
+    memory = server_memory(base, args.api_key)
+    if memory:
+        print(f"server memory after the run (cellserve:memory_bytes, MiB): {memory}")
     if args.workload == "regen":
         for r in results:
             rate = regen_rate(r.records)
@@ -254,6 +257,22 @@ def run_args(args: argparse.Namespace, command: str | None = None) -> int:
         print("cellserve bench serve: error: every request failed; see the errors above", file=sys.stderr)
         return 1
     return 0
+
+
+def server_memory(base: str, api_key: str | None) -> str:
+    """A cellserve server's memory by owner from its /metrics ('' for any other server, or if unreachable)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        text = httpx.get(base.rstrip("/") + "/metrics", headers=headers, timeout=10).text
+        families = list(text_string_to_metric_families(text))
+    except (httpx.HTTPError, ValueError):
+        return ""
+    parts = [f"{s.labels['owner']} {s.value / 2**20:.0f}" for f in families for s in f.samples
+             if s.name == "cellserve:memory_bytes"]
+    rss = [s.value for f in families for s in f.samples if s.name == "process_resident_memory_bytes"]
+    return ", ".join(([f"rss {rss[0] / 2**20:.0f}"] if rss else []) + parts)
 
 
 def main(argv: list[str] | None = None) -> int:

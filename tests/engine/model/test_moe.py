@@ -12,7 +12,7 @@
 
 import pytest
 import torch
-from engine_support import Collector, drain, greedy, greedy_oracle, make_engine, prompt
+from engine_support import Collector, drain, greedy, greedy_oracle, make_engine, prompt, run_requests
 from tiny_models import full_logits
 from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
@@ -202,3 +202,16 @@ def test_a_saved_folder_loads_on_the_native_forward_with_one_copy_of_the_experts
     ids = prompt(12, 8)
     out = runner.run({0: (ids, 0)})
     torch.testing.assert_close(out[0], full_logits(model, ids)[-1], atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_greedy_with_speculative_drafts_is_the_output_without_them(name):
+    """Drafted rows verified in one step route and compute as the one-row decode does: the same tokens."""
+    model = _model(name)
+    repeating = prompt(7, 1) * 5  # a history whose continuation prompt lookup can guess
+    prompts = [repeating, prompt(5, 3) * 4]
+    want = [o.tokens[0] for o in run_requests(make_engine(model=model, speculative=None), prompts, greedy(16))]
+    engine = make_engine(model=model, speculative="ngram")
+    assert [o.tokens[0] for o in run_requests(engine, prompts, greedy(16))] == want
+    assert want[0] == greedy_oracle(model, repeating, 16)
+    assert engine.speculative.accepted > 0

@@ -17,11 +17,14 @@ Bounds, and why:
 import gguf
 import pytest
 import torch
+from engine_support import greedy, run_requests
 from moe_gguf import VOCAB, q4_k_m, write_moe_gguf
 from tiny_models import full_logits
 from transformers import MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
 
+from engine.api.args import EngineArgs
 from engine.api.errors import ModelSourceError
+from engine.core.engine import Engine
 from engine.loader.source import resolve_model
 from engine.model.kernels import build as kernels
 from engine.model.native.quant import QuantLinear, weight_bytes
@@ -146,3 +149,18 @@ def test_a_float_dtype_reads_the_experts_through_transformers_with_the_files_own
     ids = _prompt(10, 3)
     out = runner.run({0: (ids, 0)})
     torch.testing.assert_close(out[0], full_logits(oracle, ids)[-1], atol=1e-4, rtol=0)
+
+
+def test_quantized_greedy_with_speculative_drafts_is_the_output_without_them(tmp_path):
+    """The experts' kernels compute each drafted row as the one-row decode does (tiles; the K-quants' row kernel in
+    a step with drafts) and the router's logits row by row there: speculation changes no token."""
+    write_moe_gguf(tmp_path / "s.gguf", _seeded(_qwen3_moe, True, seed=6), q4_k_m)
+    folder = resolve_model(str(tmp_path / "s.gguf"), "auto", home=tmp_path / "home", progress=False).path
+    repeating = _prompt(7, 1) * 5
+    prompts = [repeating, _prompt(5, 3) * 4]
+    outs = {}
+    for spec in (None, "ngram"):
+        engine = Engine(ModelRunner.from_pretrained(folder, n_cells=256), EngineArgs(speculative=spec))
+        outs[spec] = [o.tokens[0] for o in run_requests(engine, prompts, greedy(16))]
+    assert outs["ngram"] == outs[None]
+    assert engine.speculative.accepted > 0

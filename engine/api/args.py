@@ -66,8 +66,17 @@ class EngineArgs:
     # a loaded model runs its first steps' shapes once before any request (ModelRunner.warm_up), as llama.cpp's
     # server does (--no-warmup there too): the first request then pays no one-time costs
     warmup: bool = True
+    # LoRA adapters (engine/model/lora.py): {name: PEFT folder or llama.cpp LoRA .gguf} loaded at start (their
+    # llama.cpp ids 0, 1, ... in this order); at most `max_loras` resident (least recently used unloaded when a
+    # load needs room, never one in use) in at most `max_lora_memory` bytes (None: no byte limit)
+    lora_modules: dict[str, str] = field(default_factory=dict)
+    max_loras: int = 8
+    max_lora_memory: int | None = None
 
     def __post_init__(self):
+        if self.max_loras < 1 or len(self.lora_modules) > self.max_loras:
+            raise ValueError(f"max_loras={self.max_loras}: at least 1 and at least the {len(self.lora_modules)} "
+                             f"adapters given at start")
         if self.speculative not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative={self.speculative!r}: use one of {SPECULATIVE_METHODS}")
         if self.quantize not in QUANTIZE_MODES:

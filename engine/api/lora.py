@@ -23,6 +23,12 @@ class AdapterNotFound(EngineError):
     code = "adapter_not_found"
 
 
+class AdapterBusy(EngineError):
+    """An unload named an adapter that requests are running under: wait for them or cancel them."""
+
+    code = "adapter_busy"
+
+
 class AdapterMemoryFull(EngineError):
     """An adapter does not fit `max_loras` / `max_lora_memory` beside the adapters in use (none of which is
     unloaded while a request runs under it)."""

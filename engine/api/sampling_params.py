@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass, field
 
 from engine.api.errors import InvalidRequest
+from engine.api.lora import LoraRef
 
 MAX_LOGPROBS = 20
 MAX_N = 64
@@ -145,6 +146,7 @@ class SamplingParams:
     priority: int = 0
     skip_special_tokens: bool = True  # the detokenizer leaves special tokens' text out (vLLM's default)
     prediction_ids: list[int] = field(default_factory=list)
+    lora: LoraRef | None = None  # the LoRA adapter the request runs under (None: the base model; engine/api/lora.py)
 
     def __post_init__(self):
         self.max_tokens = _integer("max_tokens", self.max_tokens, 0, 2**31 - 1)
@@ -173,6 +175,8 @@ class SamplingParams:
         if self.min_tokens > self.max_tokens:
             raise SamplingError("min_tokens", f"must be at most max_tokens ({self.max_tokens}), got {self.min_tokens}")
         self.eos_token_ids = self._check_token_list("eos_token_ids", self.eos_token_ids)
+        if self.lora is not None and not isinstance(self.lora, LoraRef):
+            raise SamplingError("lora", f"must be a LoraRef, got {type(self.lora).__name__}")
         if self.allowed_token_ids is not None:
             self.allowed_token_ids = self._check_token_list("allowed_token_ids", self.allowed_token_ids)
             if not self.allowed_token_ids:

@@ -17,9 +17,11 @@ import torch
 from engine.api.args import EngineArgs
 from engine.api.errors import InvalidRequest, SequenceBusy
 from engine.api.ids import new_id
+from engine.api.lora import LoraRef
 from engine.api.memory import MemoryReport
 from engine.api.outputs import EngineStats, PromptLogprobs, RequestOutput, SequenceInfo, TokenLogprob
 from engine.api.sampling_params import SamplingParams
+from engine.core.adapters import Adapters
 from engine.core.admission import Admission
 from engine.core.detokenizer import IncrementalDetokenizer
 from engine.core.memory import MemoryAccount
@@ -33,6 +35,7 @@ from engine.core.state.identity import identity_of
 from engine.core.state.store import DurableStore
 from engine.loader.source import resolve_args, resolve_model
 from engine.model.flat_step import FlatStep, flatten_step
+from engine.model.lora import step_rows
 from engine.model.runner import ModelRunner
 from engine.sample.sampler import Sampler, make_generator
 from engine.spec.decoder import SpeculativeDecoder
@@ -71,6 +74,7 @@ class Engine:
         self.admission = Admission(runner.max_model_len, self.cache.n_cells, self.config.max_queue,
                                    self.vocab_size, self.tokenizer, self.eos_ids, self.config.grammar_timeout_s)
         self.outputs = OutputProcessor(self.scheduler, self.requests, self.eos_ids)
+        self.adapters = Adapters(runner.loras, self.scheduler, self.requests, cfg.max_loras, cfg.max_lora_memory)
         self.speculative = None
         if draft is not None and cfg.speculative not in ("auto", "ngram"):
             raise ValueError("a draft model drafts only with speculative 'auto' or 'ngram'")
@@ -94,6 +98,13 @@ class Engine:
                                                  **args.runner_kwargs())
             if args.warmup:  # before the engine: the pool is still empty (no restored sequence yet)
                 runner.warm_up(min(WARMUP_PREFILL, args.max_num_batched_tokens), args.num_speculative_tokens)
+        engine = cls._build(runner, args)
+        for name, path in args.lora_modules.items():  # --lora NAME=PATH, in their order (llama.cpp's ids 0, 1, ...)
+            engine.adapters.load(name, path)
+        return engine
+
+    @classmethod
+    def _build(cls, runner: ModelRunner, args: EngineArgs) -> "Engine":
         draft = None
         if args.draft_model is not None:  # its own pool: as many cells and slots as the target's
             draft = ModelRunner.from_pretrained(resolve_model(args.draft_model, args.draft_dtype).path,
@@ -142,9 +153,11 @@ class Engine:
         req.grammar = grammar
         if params.prompt_logprobs is not None:  # the first token has no logprob: nothing predicts it
             req.prompt_logprobs = PromptLogprobs(list(prompt_ids[:1]), [None], [None])
+        lora = self.adapters.bind(params.lora, seq)
         if seq is None:
-            seq = Sequence(new_id("gen"), list(prompt_ids), shares_prefix=req.prompt_logprobs is None)
+            seq = Sequence(new_id("gen"), list(prompt_ids), shares_prefix=req.prompt_logprobs is None, lora=lora)
         else:
+            self.adapters.rebind(seq, lora)
             seq.token_ids.extend(prompt_ids)
             req.persistent_seq = seq
         self._start(req, seq, 0)
@@ -162,11 +175,13 @@ class Engine:
         return True
 
     # ----- persistent sequences (engine.core.persistent) -------------------------------------------
-    def create_sequence(self, prompt_ids, emit=None) -> tuple[Sequence, Request]:
-        """A new persistent sequence, prefilled as soon as it is scheduled (a max_tokens=0 request on it)."""
+    def create_sequence(self, prompt_ids, emit=None, lora: LoraRef | None = None) -> tuple[Sequence, Request]:
+        """A new persistent sequence, prefilled as soon as it is scheduled (a max_tokens=0 request on it), under
+        the adapter `lora` names (None: the base model) for its whole life."""
         seq = self.persistent.new()
         try:
-            req = self.add_request(new_id("prefill"), prompt_ids, SamplingParams(max_tokens=0), emit, seq.seq_id)
+            req = self.add_request(new_id("prefill"), prompt_ids, SamplingParams(max_tokens=0, lora=lora), emit,
+                                   seq.seq_id)
         except Exception:
             del self.persistent.by_id[seq.seq_id]  # refused: nothing was created
             raise
@@ -344,7 +359,7 @@ class Engine:
             return []
         children = []
         for i in range(1, req.children_pending + 1):
-            child = Sequence(new_id("gen"), list(parent.token_ids))
+            child = Sequence(new_id("gen"), list(parent.token_ids), lora=parent.lora)
             self._start(req, child, i)
             self.scheduler.start_child(parent, child)
             children.append(child)
@@ -385,6 +400,7 @@ def _flatten(chunks: list[Chunk], sample_chunks: list[Chunk], prompt_rows: dict[
     the first `prompt_rows[id(chunk)]` rows of chunks whose prompt logprobs are
     wanted (one arange per such chunk: a loop over chunks, not tokens)."""
     step = flatten_step({c.seq.slot: (c.token_ids, c.start) for c in chunks})
+    step.lora = step_rows([c.seq.lora for c in chunks], [c.n_tokens + len(c.draft) for c in chunks])
     sampling = {id(c) for c in sample_chunks}
     last = step.logits_indices
     pick = [i for i, c in enumerate(chunks) if id(c) in sampling and not c.draft]

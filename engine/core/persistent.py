@@ -55,7 +55,8 @@ class SequenceTable:
         at = len(parent.token_ids) if at is None else at
         if not 1 <= at <= len(parent.token_ids):
             raise InvalidRequest(f"fork at={at} is outside [1, {len(parent.token_ids)}]", "at")
-        child = Sequence(new_id("seq"), parent.token_ids[:at], persistent=True, parent=seq_id, fork_at=at)
+        child = Sequence(new_id("seq"), parent.token_ids[:at], persistent=True, parent=seq_id, fork_at=at,
+                         lora=parent.lora)
         self.scheduler.fork(parent, child, min(parent.n_cached, at - 1))
         self.by_id[child.seq_id] = child
         self._write(child)

@@ -12,13 +12,15 @@ new tokens' chain while some holder has the block, checks the tokens themselves 
 harmless), then extends the match token by token into the next, partial block. Registration follows
 `n_cached` in both directions, so a holder is never found for cells it no longer has. `longest()`
 never returns more than `limit` tokens nor more than the holder has cached, and the returned holder's
-token ids equal the query on the whole match. The index costs work only when a sequence's `n_cached`
+token ids equal the query on the whole match. A chain starts from the holder's LoRA adapter (`_root`),
+so cells computed under one adapter are found only by sequences under the same one, the base's by the base's. The index costs work only when a sequence's `n_cached`
 crosses a block boundary (amortised O(1/BLOCK) per decoded token).
 """
 
 import sys
 from dataclasses import dataclass
 
+from engine.api.lora import LoraBinding
 from engine.core.sequence import Sequence
 
 BLOCK = 16
@@ -57,7 +59,7 @@ class PrefixIndex:
         tokens = seq.token_ids
         while len(chain) < want:
             i = len(chain)
-            h = hash((chain[-1] if chain else 0, tuple(tokens[i * BLOCK:(i + 1) * BLOCK])))
+            h = hash((chain[-1] if chain else _root(seq.lora), tuple(tokens[i * BLOCK:(i + 1) * BLOCK])))
             chain.append(h)
             self._holders.setdefault(h, {})[seq] = None
         if not chain:
@@ -72,9 +74,10 @@ class PrefixIndex:
             if not holders:
                 del self._holders[h]
 
-    def longest(self, tokens: list[int], limit: int) -> tuple[Sequence | None, int]:
-        """The holder sharing the longest prefix of `tokens` (at most `limit` tokens) and its length."""
-        prev, depth, holders = 0, 0, None
+    def longest(self, tokens: list[int], limit: int, lora: LoraBinding | None = None) -> tuple[Sequence | None, int]:
+        """The holder under adapter `lora` (None: the base) sharing the longest prefix of `tokens` (at most
+        `limit` tokens) and its length."""
+        prev, depth, holders = _root(lora), 0, None
         for i in range(limit // BLOCK):
             h = hash((prev, tuple(tokens[i * BLOCK:(i + 1) * BLOCK])))
             found = self._holders.get(h)
@@ -86,7 +89,7 @@ class PrefixIndex:
         base = depth * BLOCK
         best, best_len = None, 0
         for seq in list(holders)[:MAX_EXTEND_CANDIDATES]:
-            if seq.token_ids[:base] != tokens[:base]:  # a hash collision: not a real match
+            if seq.lora != lora or seq.token_ids[:base] != tokens[:base]:  # a hash collision: not a real match
                 continue
             end = min(limit, seq.n_cached)
             m = base
@@ -104,3 +107,8 @@ class PrefixIndex:
         size = sys.getsizeof(self._holders) + sys.getsizeof(self._blocks)
         size += sum(sys.getsizeof(chain) + 32 * len(chain) for chain in list(self._blocks.values()))  # + the hashes
         return size + sum(sys.getsizeof(h) for h in list(self._holders.values()))
+
+def _root(lora: LoraBinding | None) -> int:
+    """Where a chain of block hashes starts: cells computed under an adapter (and scale) are found only by
+    sequences under the same one (K/V belong to the weights that computed them), the base's by the base's."""
+    return 0 if lora is None else hash(("lora", lora))

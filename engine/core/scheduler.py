@@ -207,7 +207,7 @@ class Scheduler:
         """`seq` (idle) also owns the longest prefix, up to `limit` tokens, that any holder has cells for,
         as a fork would (no copy): a restored family's common prefix lands in the pool once. Returns
         `seq.n_cached`."""
-        holder, m = self.prefix.longest(seq.token_ids, limit) if len(self.prefix) else (None, 0)
+        holder, m = self.prefix.longest(seq.token_ids, limit, seq.lora) if len(self.prefix) else (None, 0)
         if holder is not None and holder is not seq and m > seq.n_cached and self.acquire_slot(seq, keep=holder):
             self.share(holder, seq, m)
         return seq.n_cached
@@ -306,7 +306,7 @@ class Scheduler:
         tokens = seq.token_ids
         limit = min(len(tokens) - 1, seq.cache_target())
         self.prefix.stats.queried_tokens += len(tokens) - seq.n_cached
-        holder, m = self.prefix.longest(tokens, limit) if len(self.prefix) else (None, 0)
+        holder, m = self.prefix.longest(tokens, limit, seq.lora) if len(self.prefix) else (None, 0)
         if holder is None or holder is seq or m <= seq.n_cached or m < PREFIX_MIN_TOKENS:
             return 0
         if not self.acquire_slot(seq, keep=holder):

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from engine.api.lora import LoraBinding
 from engine.api.outputs import PromptLogprobs, RequestOutput, Timing
 from engine.api.sampling_params import SamplingParams
 from engine.spec.costs import PRIOR_KEPT, PRIOR_MISSED
@@ -38,6 +39,7 @@ class Sequence:
     persistent: bool = False
     parent: str | None = None
     fork_at: int | None = None  # tokens it took from `parent` when forked (kept on disk with --state-dir)
+    lora: "LoraBinding | None" = None  # the adapter its cells were computed under (None: the base); forks inherit it
     slot: int | None = None
     n_cached: int = 0
     status: SeqStatus = SeqStatus.IDLE

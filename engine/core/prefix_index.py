@@ -108,6 +108,7 @@ class PrefixIndex:
         size += sum(sys.getsizeof(chain) + 32 * len(chain) for chain in list(self._blocks.values()))  # + the hashes
         return size + sum(sys.getsizeof(h) for h in list(self._holders.values()))
 
+
 def _root(lora: LoraBinding | None) -> int:
     """Where a chain of block hashes starts: cells computed under an adapter (and scale) are found only by
     sequences under the same one (K/V belong to the weights that computed them), the base's by the base's."""

@@ -18,6 +18,7 @@ from starlette.middleware.cors import CORSMiddleware
 
 from server.anthropic import routes as anthropic_routes
 from server.anthropic.errors import AnthropicErrors, require_key
+from server.embeddings import routes as embedding_routes
 from server.errors import ERROR_RESPONSES, install_error_handlers, without_422
 from server.limits import Limits
 from server.llamacpp import routes as llamacpp_routes
@@ -36,7 +37,7 @@ if TYPE_CHECKING:  # the server never imports the engine (torch) at run time; it
 def build_app(engine: Union["EngineClient", EngineFactory], *, served_model_name: str | None = None,
               api_key: str | None = None, shutdown_grace_s: float = 30.0, on_fatal=None,
               limits: Limits | None = None, ui: bool = True, state_dir: str | None = None,
-              cors_origins: list[str] | None = None) -> FastAPI:
+              cors_origins: list[str] | None = None, pooling: str | None = None) -> FastAPI:
     """The HTTP app over `engine` (an EngineClient, or a zero-argument callable that builds one).
 
     `on_fatal(reason)` is called if the model fails to load or the engine loop dies (the CLI exits
@@ -47,7 +48,8 @@ def build_app(engine: Union["EngineClient", EngineFactory], *, served_model_name
     that need no key; the page asks for it on a 401). `state_dir` (`--state-dir`, the engine's own folder):
     stored responses are kept in `state_dir/responses` and come back after a restart. Every OpenAI route is
     also served without `/v1` (`server.middleware.WithoutV1`). `cors_origins` (`--cors-origins`): the origins
-    whose pages may call the server (`*`: any); None or empty: same-origin only (no CORS headers at all)."""
+    whose pages may call the server (`*`: any); None or empty: same-origin only (no CORS headers at all).
+    `pooling` (`--pooling`): how /v1/embeddings pools hidden states (last, mean, cls; None: last)."""
     ctx = ServerContext(engine, served_model_name=served_model_name, api_key=api_key,
                         shutdown_grace_s=shutdown_grace_s, on_fatal=on_fatal, limits=limits, state_dir=state_dir)
 
@@ -63,13 +65,14 @@ def build_app(engine: Union["EngineClient", EngineFactory], *, served_model_name
     app = FastAPI(title="cellserve", version="0.1.0", lifespan=lifespan, redirect_slashes=False,
                   description="Multi-sequence LLM inference over one shared pool of KV cells.", **docs)
     app.state.ctx = ctx
+    app.state.pooling = pooling
     install_error_handlers(app)
     app.include_router(ops_routes.public, responses=ERROR_RESPONSES)
     if ui:
         app.include_router(ui_routes.router)
     guarded = [Depends(require_api_key)]
     for router in (openai_routes.router, sequence_routes.router, ops_routes.router, responses_routes.router,
-                   llamacpp_routes.router):
+                   llamacpp_routes.router, embedding_routes.router):
         app.include_router(router, dependencies=guarded, responses=ERROR_RESPONSES)
     app.include_router(anthropic_routes.router, dependencies=[Depends(require_key)], responses=ERROR_RESPONSES)
     _document_errors_only_as_sent(app)

@@ -80,6 +80,9 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "without credentials); default: none, same-origin pages only")
     p.add_argument("--ssl-keyfile", default=None, help="serve HTTPS with this PEM private key (with --ssl-certfile)")
     p.add_argument("--ssl-certfile", default=None, help="serve HTTPS with this PEM certificate (chain)")
+    p.add_argument("--pooling", default=None, choices=["last", "mean", "cls"],
+                   help="how /v1/embeddings (and /v1/rerank, /v1/score) pool a text's final hidden states into one "
+                        "vector (default: last, the token that has read the whole text)")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     p.add_argument("--dtype", default=ENGINE.dtype, choices=["auto", "float32", "bfloat16", "float16", "quantized"],
                    help="model dtype (auto: a float model in bfloat16 on CPUs with AVX512-BF16 or AMX, "
@@ -162,7 +165,8 @@ def run_server(args: argparse.Namespace) -> int:
 
     app = build_app(engine_factory(args), served_model_name=args.served_model_name, api_key=args.api_key,
                     shutdown_grace_s=args.shutdown_grace, on_fatal=on_fatal, limits=limits_of(args),
-                    ui=not args.no_ui, state_dir=state_dir_of(args), cors_origins=args.cors_origins)
+                    ui=not args.no_ui, state_dir=state_dir_of(args), cors_origins=args.cors_origins,
+                    pooling=args.pooling)
     ctx = app.state.ctx
     ctx.metrics.memory.trim = idle_trim_from_env(ctx._stats)  # malloc_trim once idle (server/memory.py)
 

@@ -231,6 +231,10 @@ class AsyncEngine:
         """Cells held only by cached prefixes (evictable on demand), counted on the loop thread."""
         return await self._call(self.engine.scheduler.cached_prefix_cells, check_accepting=False)
 
+    async def embed(self, prompts: list[list[int]], pooling: str) -> list[list[float]]:
+        """Each prompt's pooled final hidden state (unit length), computed between ticks on borrowed cells."""
+        return await self._call(lambda: self.engine.embed(prompts, pooling))
+
     async def clear_prefix_cache(self) -> int:
         """Drop every cached prefix (live and idle sequences keep their cells); the cells freed."""
         return await self._call(self.engine.clear_prefix_cache, check_accepting=False)

@@ -24,6 +24,7 @@ from engine.api.sampling_params import SamplingParams
 from engine.core.adapters import Adapters
 from engine.core.admission import Admission
 from engine.core.detokenizer import IncrementalDetokenizer
+from engine.core.embedding import embed
 from engine.core.memory import MemoryAccount
 from engine.core.output_processor import OutputProcessor
 from engine.core.persistent import SequenceTable
@@ -385,6 +386,10 @@ class Engine:
     def free_cells(self) -> int:
         """Cells a new request can get: free ones plus those only cached prefixes hold."""
         return self.cache.free_cells() + self.scheduler.cached_prefix_cells()
+
+    def embed(self, prompts: list[list[int]], pooling: str) -> list[list[float]]:
+        """Pooled, unit-length final hidden states of each prompt (engine/core/embedding.py)."""
+        return embed(self, prompts, pooling)
 
     def clear_prefix_cache(self) -> int:
         """Drop every cached prefix (not live sequences); return the cells that became free."""

@@ -226,8 +226,12 @@ class ModelRunner:
     def n_cells(self) -> int:
         return self.cache.n_cells
 
-    def forward(self, step: FlatStep) -> torch.Tensor:
-        """Run one flat step; return fp32 logits `[len(step.logits_indices), vocab]` for those rows."""
+    def forward(self, step: FlatStep, hidden: bool = False) -> torch.Tensor:
+        """Run one flat step; return fp32 logits `[len(step.logits_indices), vocab]` for those rows (`hidden`:
+        their final hidden states `[rows, hidden]` instead, for embeddings; the native forward only)."""
+        if hidden and self.native is None:
+            raise ValueError("embeddings run on the native forward (Llama, Mistral, Qwen2/3, Gemma 3 families); "
+                             "this model runs on the transformers modules")
         plan = self.cache.begin_step(step.seq_ids, step.positions)
         tokens = torch.as_tensor(step.tokens).reshape(-1).to(self.device)
         rows = torch.as_tensor(step.logits_indices, dtype=torch.int64).reshape(-1).to(self.device)
@@ -235,7 +239,7 @@ class ModelRunner:
             with torch.inference_mode(), drafted_step(step.drafts):
                 if self.native is not None:
                     lora = self.loras.step(step.lora, self.device) if step.lora else None
-                    logits = self.native.forward(self.cache, tokens, plan, rows, lora)
+                    logits = self.native.forward(self.cache, tokens, plan, rows, lora, hidden=hidden)
                 elif step.lora:
                     raise ValueError("LoRA adapters run on the native forward only; this model runs on the "
                                      "transformers modules")

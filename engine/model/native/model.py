@@ -145,9 +145,10 @@ class NativeLlama:
             linear.small = small
 
     def forward(self, cache: CellCache, tokens: torch.Tensor, plan: StepPlan, rows: torch.Tensor,
-                lora=None) -> torch.Tensor:
+                lora=None, hidden: bool = False) -> torch.Tensor:
         """Logits `[len(rows), vocab]` (fp32) of the given rows of this planned step; `lora`: the step's
-        adapters (engine/model/lora.py `StepLora`), each adding its update to its own rows."""
+        adapters (engine/model/lora.py `StepLora`), each adding its update to its own rows. `hidden`: the rows'
+        final hidden states `[len(rows), hidden]` (fp32, after the final norm, before the head) instead."""
         x = self._embed(tokens)
         attend = Attend(plan, self.n_kv, self.n_heads // self.n_kv, self.windows, x.device, self.fused)
         ropes = self._ropes(x, plan.positions)
@@ -158,6 +159,8 @@ class NativeLlama:
             x = self._layer(layer, x, pools, ropes[layer.layer_type], plan.kv_cells, attend,
                             lora.layer(i) if lora is not None else None)
         x = self._norm(x.index_select(0, rows), self.norm, self.norm_eps)
+        if hidden:
+            return x.float()
         logits = self.head(x).float()
         cap = self.family.softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap

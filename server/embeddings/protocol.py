@@ -1,0 +1,88 @@
+"""Request schemas of `/v1/embeddings` (OpenAI's), `/v1/rerank` (Cohere's and Jina's, as llama.cpp and vLLM take
+it) and `/v1/score` (vLLM's): what a client may send, checked before any work (400 naming the field)."""
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator, model_validator
+
+from server.schema import StrictModel
+
+MAX_DOCUMENTS = 1024
+
+
+class EmbeddingRequest(StrictModel):
+    """`input`: a string, a list of strings, a list of token ids, or a list of token-id lists."""
+
+    model: str | None = None
+    input: Any
+    encoding_format: Literal["float", "base64"] = "float"
+    dimensions: int | None = Field(None, ge=1)
+    user: str | None = None
+
+    @field_validator("input")
+    @classmethod
+    def _inputs(cls, value: Any) -> list[str | list[int]]:
+        return normalize_inputs(value)
+
+
+def normalize_inputs(value: Any) -> list[str | list[int]]:
+    """OpenAI's four input forms as a list of texts or token-id lists."""
+    if isinstance(value, str):
+        return [value]
+    if isinstance(value, list) and value:
+        if all(isinstance(v, str) for v in value):
+            return list(value)
+        if all(_is_id(v) for v in value):
+            return [list(value)]
+        if all(isinstance(v, list) and v and all(_is_id(t) for t in v) for v in value):
+            return [list(v) for v in value]
+    raise ValueError("input must be a string, a list of strings, a list of token ids or a list of token-id lists, "
+                     "none of them empty")
+
+
+def _is_id(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+class RerankRequest(StrictModel):
+    model: str | None = None
+    query: str = Field(min_length=1)
+    documents: list[str | dict[str, Any]] = Field(min_length=1, max_length=MAX_DOCUMENTS)
+    top_n: int | None = Field(None, ge=1)
+    return_documents: bool = True
+
+    @field_validator("documents")
+    @classmethod
+    def _texts(cls, value: list) -> list[str]:
+        out = []
+        for doc in value:
+            text = doc.get("text") if isinstance(doc, dict) else doc
+            if not isinstance(text, str) or not text:
+                raise ValueError("each document is a non-empty string or {\"text\": \"...\"}")
+            out.append(text)
+        return out
+
+
+class ScoreRequest(StrictModel):
+    """vLLM's `/score`: `text_1` against `text_2` (one to one, one to many, or pairwise lists)."""
+
+    model: str | None = None
+    text_1: str | list[str]
+    text_2: str | list[str]
+
+    @model_validator(mode="after")
+    def _paired(self):
+        self.pairs()
+        return self
+
+    def pairs(self) -> list[tuple[str, str]]:
+        left = [self.text_1] if isinstance(self.text_1, str) else self.text_1
+        right = [self.text_2] if isinstance(self.text_2, str) else self.text_2
+        if not left or not right or any(not t for t in left + right):
+            raise ValueError("text_1 and text_2 must be non-empty")
+        if len(left) == 1:
+            return [(left[0], r) for r in right]
+        if len(left) != len(right):
+            raise ValueError(f"text_1 has {len(left)} texts and text_2 {len(right)}: give one text_1, or as many "
+                             "of each")
+        return list(zip(left, right))

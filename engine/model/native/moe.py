@@ -97,6 +97,15 @@ def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, dtype: torch.d
     return Routing(order // top_k, weights.reshape(-1)[order].to(dtype), active.tolist(), bounds)
 
 
+class StackedWeight:
+    """A float expert stack [E, N, K] as what walks a layer's `linears()` sees a linear (byte counts, the `small`
+    switch): the tensor as it is, no packed copy beside it."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight, self.parts, self.packed, self.bias, self.small = weight, None, None, None, False
+        self.out_features, self.in_features = weight.shape[0] * weight.shape[1], weight.shape[2]
+
+
 class FloatExperts:
     """A transformers model's stacked experts, as they are (views of its parameters: one copy)."""
 
@@ -106,7 +115,7 @@ class FloatExperts:
         self.count, self.inter = self.gate_up.shape[0], self.gate_up.shape[1] // 2
 
     def linears(self) -> list:
-        return []
+        return [StackedWeight(self.gate_up), StackedWeight(self.down_w)]
 
     def swiglu(self, e: int, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.gate_up[e])

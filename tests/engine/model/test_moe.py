@@ -215,3 +215,13 @@ def test_greedy_with_speculative_drafts_is_the_output_without_them(name):
     assert [o.tokens[0] for o in run_requests(engine, prompts, greedy(16))] == want
     assert want[0] == greedy_oracle(model, repeating, 16)
     assert engine.speculative.accepted > 0
+
+
+def test_weight_bytes_count_the_experts_once():
+    from engine.model.native.quant import weight_bytes
+
+    model = _model("qwen3_moe")
+    runner = ModelRunner(model, n_cells=32)
+    n_params = sum(p.numel() for p in model.parameters())
+    # every parameter once, in float32 (the router's packed copy replaces its weight; a tied table is not kept twice)
+    assert weight_bytes(runner.native) == 4 * n_params

@@ -12,7 +12,7 @@ thread after the socket is open, so `/health` can say 503 while the model loads.
 import asyncio
 import logging
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, Union
+from typing import TYPE_CHECKING, Any, Protocol, Union
 
 from fastapi import Request
 
@@ -25,9 +25,19 @@ log = logging.getLogger("cellserve.server")
 
 if TYPE_CHECKING:  # the server never imports the engine (torch) at run time; it is injected
     from engine.api.client import EngineClient
-    from server.openai.generation import GenerationRun
 
 EngineFactory = Callable[[], "EngineClient"]
+
+
+class Run(Protocol):
+    """What the registry needs of an in-flight run (`server.generation.run.GenerationRun` is one): state.py
+    sits below every API surface and imports none of them."""
+
+    request_id: str
+
+    def cancel(self) -> None: ...
+
+    def close(self) -> None: ...
 
 
 class ServerContext:
@@ -47,7 +57,7 @@ class ServerContext:
         self.state_dir = state_dir  # --state-dir: the server keeps its stored responses there too
         self.tokens: TokenizerService | None = None
         self.metrics = ServerMetrics(self._stats, self._memory)
-        self.runs: dict[str, GenerationRun] = {}
+        self.runs: dict[str, Run] = {}
         self._load_task: asyncio.Task | None = None
 
     @staticmethod
@@ -124,10 +134,10 @@ class ServerContext:
         return self.engine.memory() if self.engine is not None and self.state != "loading" else None
 
     # in-flight runs, for POST /v1/requests/{id}/cancel
-    def register(self, run: "GenerationRun") -> None:
+    def register(self, run: Run) -> None:
         self.runs[run.request_id] = run
 
-    def unregister(self, run: "GenerationRun") -> None:
+    def unregister(self, run: Run) -> None:
         if self.runs.get(run.request_id) is run:
             del self.runs[run.request_id]
 

@@ -70,7 +70,7 @@ class TokenizerService:
     async def encode_chat(self, messages: Sequence[dict], *, add_generation_prompt: bool = True,
                           tools: list[dict] | None = None, template_kwargs: dict | None = None) -> list[int]:
         """`tools`: OpenAI tool definitions for templates that render them
-        (`server.openai.tools.supports_tools`); `template_kwargs`: extra template variables
+        (`server.generation.tools.supports_tools`); `template_kwargs`: extra template variables
         (`chat_template_kwargs`, e.g. enable_thinking)."""
         if not self.has_chat_template:
             raise APIError(400, "this model's tokenizer has no chat template; use /v1/completions with a "

@@ -169,3 +169,51 @@ def test_the_checks_see_a_cycle_and_a_layer_break():
     """The checks can fail: a made-up graph with a cycle and an upward import is caught."""
     assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert "model" not in ENGINE_LAYERS["cells"] and "core" not in ENGINE_LAYERS["model"]
+
+
+# --- server layers (lowest first): the base modules (server/*.py that build nothing above them) <-
+# server.generation (what every API surface shares) <- the surfaces (every other package under server/) <-
+# the top (the app that mounts them, the CLI, Ray Serve, benchmarks). A surface imports generation/ and the
+# base, never another surface; state.py imports nothing above it; nothing imports a layer above its own.
+SERVER_TOP = ("server.app", "server.cli", "server.config", "server.ray_serve", "server.bench")
+
+
+def _server_rank(mod: str) -> tuple[int, str]:
+    """(rank, unit): 0 base, 1 generation, 2 a surface (unit: its package), 3 the top."""
+    if any(mod == t or mod.startswith(t + ".") for t in SERVER_TOP):
+        return 3, mod
+    parts = mod.split(".")
+    if len(parts) == 2 and not (ROOT / "server" / parts[1]).is_dir():
+        return 0, mod
+    if parts[1] == "generation":
+        return 1, "server.generation"
+    return 2, f"server.{parts[1]}"
+
+
+def server_layer_breaks(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for mod, targets in graph.items():
+        if not mod.startswith("server."):
+            continue
+        rank, unit = _server_rank(mod)
+        for target in targets:
+            if not target.startswith("server."):
+                continue
+            t_rank, t_unit = _server_rank(target)
+            if t_rank > rank and rank < 3:
+                bad.append(f"{mod} -> {target} (imports a layer above its own)")
+            elif rank == t_rank == 2 and unit != t_unit:
+                bad.append(f"{mod} -> {target} (a surface imports another: share it in server.generation)")
+    return bad
+
+
+def test_server_layers_point_down():
+    assert server_layer_breaks(import_graph()) == []
+
+
+def test_the_server_check_sees_a_surface_and_an_upward_import():
+    graph = {"server.state": {"server.generation.run"}, "server.anthropic.routes": {"server.openai.protocol"},
+             "server.openai.routes": {"server.generation.sse"}}
+    assert server_layer_breaks(graph) == [
+        "server.state -> server.generation.run (imports a layer above its own)",
+        "server.anthropic.routes -> server.openai.protocol (a surface imports another: share it in server.generation)"]

@@ -10,7 +10,7 @@ wrong type or range is a 400 naming the field, in Anthropic's error shape on the
   blocks). `cache_control` is accepted anywhere and ignored (prefix sharing is automatic). Any other
   block (image, document, ...) is a 400 naming it.
 - `thinking` (`enabled`, `adaptive`, `disabled`) reaches the template's thinking switch
-  (`server.openai.reasoning.template_kwargs`); `budget_tokens` is accepted and not enforced (`max_tokens`
+  (`server.generation.reasoning.template_kwargs`); `budget_tokens` is accepted and not enforced (`max_tokens`
   bounds the whole reply); `display: "omitted"` sends thinking blocks without their text.
 - `tool_use` blocks become an assistant message's `tool_calls`; `tool_result` blocks become `tool`
   messages (before the user's text of the same turn), as OpenAI-style chat templates take them.
@@ -21,9 +21,8 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, field_validator, model_validator
 
 from engine.api.sampling_params import MAX_TEMPERATURE
-from server.openai.constraints import Tool
-from server.responses.protocol import TOOL_NAME
-from server.responses.toolcalls import template_call
+from server.generation.constraints import TOOL_NAME, Tool
+from server.generation.toolcalls import template_call
 from server.schema import ParamError, StrictModel
 
 

@@ -1,13 +1,12 @@
 """Anthropic's Messages API: `POST /v1/messages` (JSON or a stream) and `POST /v1/messages/count_tokens`.
 
 Each request renders its conversation with the chat template (tools in the template's own tool-call
-format, or in the generic JSON format when it cannot render them: `server.responses.toolcalls`) and
+format, or in the generic JSON format when it cannot render them: `server.generation.toolcalls`) and
 runs as one generation: there is no server-side state, and an earlier conversation resent is found by
 the automatic prefix cache (`usage.cache_read_input_tokens`), so `cache_control` needs no work. Every limit of the chat route applies (body size, context and pool fit, queue, disconnect
 cancels); errors have Anthropic's shape (`server.anthropic.errors`).
 """
 
-import contextlib
 import logging
 from collections.abc import AsyncIterator
 
@@ -20,14 +19,14 @@ from server.anthropic.errors import anthropic_error
 from server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from server.anthropic.shapes import MessageBuilder, usage
 from server.errors import APIError, as_api_error
-from server.openai.generation import GenerationRun
-from server.openai.protocol import build_sampling_params
-from server.openai.reasoning import template_kwargs
-from server.openai.sse import STREAMED_200
-from server.responses import driver
-from server.responses.driver import NamedEventStream, Output
-from server.responses.reply import Reply, reply_of
-from server.responses.toolcalls import ToolPlan, chat_template_of, prompt_args
+from server.generation import driver
+from server.generation.output import Output
+from server.generation.reasoning import template_kwargs
+from server.generation.reply import Reply, reply_of
+from server.generation.run import GenerationRun
+from server.generation.sampling import build_sampling_params
+from server.generation.sse import STREAMED_200, NamedEventStream
+from server.generation.toolcalls import ToolPlan, chat_template_of, prompt_args
 from server.state import ServerContext
 
 router = APIRouter()
@@ -72,7 +71,7 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
     if body.stream:
         return NamedEventStream(_stream(ctx, run, builder, reply, len(prompt)), headers=headers)
     output = Output()
-    gone = await driver.collect(request, ctx, run, output)
+    gone = await driver.collect(request, ctx, run, output.fold)
     if gone is not None:
         return gone
     if output.finish_reason == "error":
@@ -86,10 +85,10 @@ async def _stream(ctx: ServerContext, run: GenerationRun, builder: MessageBuilde
                   prompt_tokens: int) -> AsyncIterator[tuple[str, dict]]:
     output, parser = Output(), reply.stream()
     try:
-        for event in builder.opening(usage(prompt_tokens, 0, 0)):
-            yield event
-        async with contextlib.aclosing(driver.outputs(ctx, run)) as outs:
-            async for out in outs:
+        async with driver.streamed(ctx, run) as outs:
+            for event in builder.opening(usage(prompt_tokens, 0, 0)):
+                yield event
+            async for _, out in outs:
                 events = parser.feed(output.add(out), output.last_tokens, output.finish_reason is not None)
                 if output.finish_reason == "error":
                     raise APIError(500, f"generation failed: {output.error or 'engine error'}", code="engine_error")
@@ -103,8 +102,7 @@ async def _stream(ctx: ServerContext, run: GenerationRun, builder: MessageBuilde
             log.exception("message stream %s failed", run.request_id)
         yield "error", anthropic_error(err.status, err.message)
     finally:
-        run.close()
-        ctx.unregister(run)
+        driver.finish(ctx, run)
 
 
 @router.post("/v1/messages/count_tokens")

@@ -2,7 +2,7 @@
 
 Content is a `thinking` block (the reply's `<think>` part, when the template speaks `<think>`; its
 `signature` is empty: nothing here checks one), `text` blocks and `tool_use` blocks (the model's calls,
-split from its text by the chat routes' tool parser). Streamed, the events come in Anthropic's order:
+split from its text by the shared tool parser, `server.generation.toolcalls`). Streamed, the events come in Anthropic's order:
 `message_start`, then per block `content_block_start`, `content_block_delta` (`thinking_delta`,
 `text_delta`, or `input_json_delta`s: a call's input as it is generated), `content_block_stop`, then
 `message_delta` (stop_reason, stop_sequence, usage)
@@ -12,7 +12,7 @@ and `message_stop`. stop_reason: `end_turn` (EOS), `stop_sequence` (with the one
 
 import json
 
-from server.responses.driver import Output
+from server.generation.output import Output
 
 
 def usage(prompt_tokens: int, cached: int, output_tokens: int) -> dict:

@@ -1,15 +1,15 @@
 """OpenAI's `chat.completion` / `chat.completion.chunk` shapes (`ChatFormatter`, built on
-`server.openai.completions.Formatter`). A reply is split, whole or streamed, first into reasoning
-(`server.openai.reasoning`, when the template speaks `<think>`) and answer, then the answer into
-content and `tool_calls` (`server.openai.tools`, when tools were offered): streamed calls arrive as
+`server.generation.formatter.Formatter`). A reply is split, whole or streamed, first into reasoning
+(`server.generation.reasoning`, when the template speaks `<think>`) and answer, then the answer into
+content and `tool_calls` (`server.generation.tools`, when tools were offered): streamed calls arrive as
 OpenAI's deltas (the first with id, type, name and `"arguments": ""`, then argument fragments)."""
 
 from dataclasses import dataclass
 
 from engine.api.outputs import CompletionOutput, TokenLogprob
-from server.openai.completions import ChoiceState, Formatter, TokenStr
-from server.openai.reasoning import ReasoningSplitter
-from server.openai.tools import HERMES, ToolFormat
+from server.generation.formatter import ChoiceState, Formatter, TokenStr
+from server.generation.reasoning import ReasoningSplitter
+from server.generation.tools import HERMES, ToolFormat
 
 
 def _chat_entry(token_id: int, logprob: float, token_str: TokenStr) -> dict:
@@ -34,7 +34,7 @@ def chat_response(rid: str, created: int, model: str, choices: list[dict], use: 
 def chat_choice(c: ChoiceState, token_str: TokenStr, want_logprobs: bool, content: str | None = None,
                 tool_calls: list[dict] | None = None, reasoning: str | None = None,
                 with_reasoning: bool = False, parsed: bool = False) -> dict:
-    """`content`/`tool_calls`: the text split by `server.openai.tools` when tools were offered (else the
+    """`content`/`tool_calls`: the text split by `server.generation.tools` when tools were offered (else the
     text; `parsed`: the split was made, so a None content stays None); `reasoning`: the `<think>` part,
     in `reasoning_content` and `reasoning` when `with_reasoning`."""
     calls = tool_calls or []

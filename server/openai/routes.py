@@ -1,7 +1,7 @@
 """OpenAI-compatible generation routes: `POST /v1/completions` and `POST /v1/chat/completions`.
 
 Each route only translates: validate (pydantic), tokenize (worker thread), build `SamplingParams`,
-start a `GenerationRun`, and let `server.openai.response.serve` answer as JSON or SSE. Defaults follow OpenAI:
+start a `GenerationRun`, and let `server.generation.serve` answer as JSON or SSE. Defaults follow OpenAI:
 completions `max_tokens` 16, chat `max_tokens` up to the context that is left.
 """
 
@@ -10,39 +10,18 @@ from fastapi.responses import Response
 
 from engine.api.ids import new_id
 from server.errors import APIError
+from server.generation.formatter import Formatter
+from server.generation.reasoning import opens_thinking, speaks_think, template_kwargs
+from server.generation.run import GenerationRun
+from server.generation.sampling import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params, token_rules, truncated
+from server.generation.serve import serve
+from server.generation.sse import STREAMED_200
+from server.generation.tools import call_grammar, format_for, generic_messages, template_tools
 from server.openai.chat import ChatFormatter, ToolSetup
-from server.openai.completions import Formatter
-from server.openai.generation import GenerationRun
-from server.openai.protocol import (
-    COMPLETION_DEFAULT_MAX_TOKENS,
-    ChatCompletionRequest,
-    CompletionRequest,
-    SamplingFields,
-    sampling_params,
-)
-from server.openai.reasoning import opens_thinking, speaks_think, template_kwargs
-from server.openai.response import serve
-from server.openai.sse import STREAMED_200
-from server.openai.tools import call_grammar, format_for, generic_messages, template_tools
+from server.openai.protocol import ChatCompletionRequest, CompletionRequest
 from server.state import ServerContext
 
 router = APIRouter()
-
-
-def truncated(prompt: list[int], body: SamplingFields) -> list[int]:
-    """vLLM's `truncate_prompt_tokens`: keep only the last k prompt tokens."""
-    k = body.truncate_prompt_tokens
-    return prompt[-k:] if k is not None and len(prompt) > k else prompt
-
-
-async def token_rules(ctx: ServerContext, body: SamplingFields) -> dict:
-    """The token-id inputs of the sampler's rules: `bad_words` tokenized, EOS ids for `min_tokens`, and the
-    `prediction` tokenized (a speculative draft source)."""
-    predicted = body.prediction.text() if body.prediction is not None else ""
-    return {"bad_words_ids": await ctx.tokens.bad_words_ids(body.bad_words) if body.bad_words else None,
-            "eos_token_ids": ctx.tokens.eos_ids() if body.min_tokens else None,
-            "prediction_ids": await ctx.tokens.encode(predicted, add_special_tokens=False, param="prediction")
-            if predicted else None}
 
 
 @router.post("/v1/completions", responses=STREAMED_200)

@@ -3,8 +3,8 @@
 
 from pydantic import field_validator, model_validator
 
+from server.generation.messages import PromptOrMessages
 from server.schema import ParamError, StrictModel
-from server.sequences.protocol import PromptOrMessages
 
 
 class TokenizeRequest(PromptOrMessages):

@@ -14,9 +14,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from engine.api.errors import RequestNotFound
 from server.errors import APIError
+from server.generation.sequence_view import sequence_view
 from server.metrics import CONTENT_TYPE
 from server.ops.protocol import DetokenizeRequest, TokenizeRequest
-from server.sequences.protocol import sequence_view
 from server.state import ServerContext
 
 public = APIRouter()

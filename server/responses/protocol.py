@@ -10,7 +10,7 @@ user, system, developer (rendered as system), assistant), `function_call` and `f
 items, and `reasoning` items (an earlier reply's thinking: its text becomes the next assistant message's
 `reasoning_content`, which templates that keep reasoning render); anything else (images, files, item
 references) is a 400 naming the item. `reasoning.effort` reaches the template's thinking switch as chat's
-`reasoning_effort` does (`server.openai.reasoning.template_kwargs`); `reasoning.summary` is accepted and
+`reasoning_effort` does (`server.generation.reasoning.template_kwargs`); `reasoning.summary` is accepted and
 echoed (the reply's reasoning comes as `reasoning_text` content, never summarised); `include:
 ["reasoning.encrypted_content"]` (what stateless agents send) is accepted: nothing is encrypted, the
 reasoning is in the item's content and `encrypted_content` stays null.
@@ -22,8 +22,8 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from engine.api.sampling_params import MAX_TEMPERATURE
-from server.openai.constraints import Tool
-from server.responses.toolcalls import template_call
+from server.generation.constraints import TOOL_NAME, Tool
+from server.generation.toolcalls import template_call
 from server.schema import ParamError, StrictModel
 
 # field -> the values that mean "off" (accepted); anything else is a 400 naming the field.
@@ -31,7 +31,6 @@ REFUSED: dict[str, tuple] = {
     "background": (False,), "conversation": (), "prompt": (), "top_logprobs": (0,),
     "truncation": ("disabled",), "include": ([], ["reasoning.encrypted_content"]), "max_tool_calls": (), "stream_options": (),
 }
-TOOL_NAME = r"^[A-Za-z0-9_.\-]+$"  # as the chat route's (server.openai.constraints.FunctionDef)
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
 
 

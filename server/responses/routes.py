@@ -20,19 +20,20 @@ from engine.api.errors import EngineError, SequenceNotFound
 from engine.api.ids import new_id
 from engine.api.sampling_params import SamplingParams
 from server.errors import APIError, as_api_error
-from server.openai.generation import ClientGone, GenerationRun
-from server.openai.protocol import build_sampling_params
-from server.openai.reasoning import template_kwargs
-from server.openai.sse import STREAMED_200
-from server.responses import driver
-from server.responses.driver import NamedEventStream, Output
+from server.generation import driver
+from server.generation.driver import ClientGone
+from server.generation.output import Output
+from server.generation.reasoning import template_kwargs
+from server.generation.reply import Reply, reply_of
+from server.generation.run import GenerationRun
+from server.generation.sampling import build_sampling_params
+from server.generation.sse import STREAMED_200, NamedEventStream
+from server.generation.toolcalls import ToolPlan, chat_template_of
 from server.responses.items import item_dict, page
 from server.responses.protocol import ResponsesRequest
-from server.responses.reply import Reply, reply_of
 from server.responses.saved import ResponseFiles
 from server.responses.shapes import ResponseBuilder, usage
 from server.responses.store import ResponseStore, Stored
-from server.responses.toolcalls import ToolPlan, chat_template_of
 from server.responses.turns import Turn, plan, settle
 from server.state import ServerContext
 
@@ -95,7 +96,7 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         return NamedEventStream(_stream(ctx, store, run, turn, builder, reply, body.store, items), headers=headers)
     output = Output()
     try:
-        gone = await driver.collect(request, ctx, run, output)
+        gone = await driver.collect(request, ctx, run, output.fold)
     except BaseException:
         await settle(ctx, store, turn, None)
         raise
@@ -120,10 +121,10 @@ async def _stream(ctx: ServerContext, store: ResponseStore, run: GenerationRun, 
     shown, thought = "", ""
     record = None
     try:
-        for event in builder.opening():
-            yield event
-        async with contextlib.aclosing(driver.outputs(ctx, run)) as outs:
-            async for out in outs:
+        async with driver.streamed(ctx, run) as outs:
+            for event in builder.opening():
+                yield event
+            async for _, out in outs:
                 events = parser.feed(output.add(out), output.last_tokens, output.finish_reason is not None)
                 shown += "".join(e[1] for e in events if e[0] == "text")
                 thought += "".join(e[1] for e in events if e[0] == "reasoning")
@@ -143,8 +144,7 @@ async def _stream(ctx: ServerContext, store: ResponseStore, run: GenerationRun, 
             log.exception("response stream %s failed", run.request_id)
         yield builder.event("error", code=err.code, message=err.message, param=err.param)
     finally:
-        run.close()
-        ctx.unregister(run)
+        driver.finish(ctx, run)
         # settled off the stream's task: a dropped client cancels this generator, not the clean-up
         task = asyncio.ensure_future(settle(ctx, store, turn, record))
         _pending.add(task)

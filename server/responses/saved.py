@@ -24,9 +24,9 @@ from pathlib import Path
 
 from engine.api.files import TMP_SUFFIX, write_atomic
 from engine.api.ids import is_valid_id
-from server.openai.constraints import Tool
+from server.generation.constraints import Tool
+from server.generation.toolcalls import Prompting
 from server.responses.store import Stored
-from server.responses.toolcalls import Prompting
 
 log = logging.getLogger("cellserve.server")
 VERSION = 1

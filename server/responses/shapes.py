@@ -20,7 +20,7 @@ cancelled, failed.
 import time
 import uuid
 
-from server.responses.driver import Output
+from server.generation.output import Output
 from server.responses.protocol import ResponsesRequest
 
 

@@ -35,7 +35,7 @@ class Stored:
     length: int  # tokens of the sequence that are this response's whole conversation
     parent: "Stored | None"  # the response it continued (kept alive by this reference)
     instructions: str | None
-    tools: Any  # how its prompt rendered the tools (`server.responses.toolcalls.Prompting`, or None)
+    tools: Any  # how its prompt rendered the tools (`server.generation.toolcalls.Prompting`, or None)
     inputs: list[dict]  # this turn's input messages
     reply: dict  # this turn's assistant message (content, tool_calls)
     end_token_text: str | None  # the text of the stop token the reply ended with (it is in the sequence)

@@ -25,9 +25,9 @@ from fastapi import Request
 
 from engine.api.errors import EngineError, SequenceNotFound
 from server.errors import APIError
-from server.openai.generation import ClientGone, await_or_disconnect
+from server.generation.driver import ClientGone, await_or_disconnect
+from server.generation.toolcalls import Prompting, prompt_args
 from server.responses.store import ResponseStore, Stored, system
-from server.responses.toolcalls import Prompting, prompt_args
 from server.state import ServerContext
 from server.tokenization import TokenizerService
 

@@ -1,50 +1,17 @@
-"""Request schemas of the sequence routes (create, continue, fork, truncate) and the sequence object they
-answer with (`sequence_view`). The schemas share `server.schema`'s base (strict types, explicit null =
-default) and, for a sequence continuation, `server.openai.protocol`'s sampling fields and refused-field
-tables; `PromptOrMessages` (exactly one prompt or chat messages) is `/tokenize`'s base too."""
+"""Request schemas of the sequence routes (create, continue, fork, truncate); the sequence object they
+answer with is `server.generation.sequence_view`. The schemas share `server.schema`'s base (strict types, explicit null =
+default) and, for a sequence continuation, `server.generation.fields`' sampling fields and refused-field
+tables; `PromptOrMessages` (exactly one prompt or chat messages, `server.generation.messages`) is
+`/tokenize`'s base too."""
 
-import time
-from typing import Any, ClassVar
+from typing import ClassVar
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from engine.api.outputs import SequenceInfo
 from engine.api.sampling_params import MAX_LOGPROBS
-from server.openai.protocol import (
-    CHAT_ONLY,
-    COMPLETIONS_ONLY,
-    UNSUPPORTED,
-    ChatMessage,
-    SamplingFields,
-    is_token_list,
-)
+from server.generation.fields import CHAT_ONLY, COMPLETIONS_ONLY, UNSUPPORTED, SamplingFields
+from server.generation.messages import PromptOrMessages
 from server.schema import ParamError, StrictModel
-
-
-def normalize_single_prompt(value: Any) -> str | list[int] | None:
-    """str | list[int] | None: one prompt (sequences and tokenize take exactly one)."""
-    if value is None or isinstance(value, str):
-        return value
-    if is_token_list(value) and value:
-        return list(value)
-    raise ValueError("prompt must be a string or a non-empty list of non-negative token ids")
-
-
-class PromptOrMessages(StrictModel):
-    """Exactly one prompt (text or token ids) or chat messages: a sequence's input, and /tokenize's."""
-
-    prompt: str | list[int] | None = None
-    messages: list[ChatMessage] | None = None
-    add_generation_prompt: bool = True
-
-    @field_validator("prompt", mode="before")
-    @classmethod
-    def _prompt(cls, value: Any) -> str | list[int] | None:
-        return normalize_single_prompt(value)
-
-    def _require_exactly_one(self) -> None:
-        if (self.prompt is None) == (self.messages is None):
-            raise ParamError("prompt", "give exactly one of prompt or messages")
 
 
 class SequenceCreateRequest(PromptOrMessages):
@@ -84,29 +51,3 @@ class ForkRequest(StrictModel):
 
 class TruncateRequest(StrictModel):
     length: int = Field(ge=0)
-
-
-def _epoch(monotonic_t: float) -> float:
-    """`last_used` is a time.monotonic() stamp (TTL arithmetic); clients want wall-clock seconds."""
-    return round(time.time() - (time.monotonic() - monotonic_t), 3)
-
-
-def sequence_view(info: SequenceInfo, text: str | None = None, with_tokens: bool = False) -> dict:
-    out = {
-        "id": info.seq_id,
-        "object": "sequence",
-        "length": info.length,
-        "status": info.status,
-        "parent": info.parent,
-        # cached_tokens: with cells in the pool; saved_tokens: with cells in the state dir (--state-dir), which
-        # load when the sequence next runs instead of being recomputed
-        "cells": {"owned": info.cells_owned, "shared": info.cells_shared, "cached_tokens": info.n_cached,
-                  "saved_tokens": info.n_saved},
-        "created": int(info.created),  # already wall-clock (time.time())
-        "last_used": _epoch(info.last_used),
-    }
-    if with_tokens:
-        out["token_ids"] = list(info.token_ids)
-    if text is not None:
-        out["text"] = text
-    return out

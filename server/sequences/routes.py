@@ -17,18 +17,18 @@ from fastapi.responses import Response
 
 from engine.api.errors import EngineError
 from engine.api.ids import new_id
-from server.openai.completions import Formatter
-from server.openai.generation import ClientGone, GenerationRun, await_or_disconnect
-from server.openai.protocol import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params
-from server.openai.response import serve
-from server.openai.routes import token_rules
-from server.openai.sse import STREAMED_200
+from server.generation.driver import ClientGone, await_or_disconnect
+from server.generation.formatter import Formatter
+from server.generation.run import GenerationRun
+from server.generation.sampling import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params, token_rules
+from server.generation.sequence_view import sequence_view
+from server.generation.serve import serve
+from server.generation.sse import STREAMED_200
 from server.sequences.protocol import (
     ForkRequest,
     SequenceCompletionRequest,
     SequenceCreateRequest,
     TruncateRequest,
-    sequence_view,
 )
 from server.state import ServerContext
 

@@ -10,12 +10,11 @@ from engine.api.errors import PromptTooLong, QueueFull
 from engine.api.outputs import TokenLogprob
 from server.cli import parse_size
 from server.errors import APIError, param_from_loc, validation_error
-from server.openai import completions
+from server.generation import formatter as completions
+from server.generation.sse import DONE, encode_event, encode_named
 from server.openai.chat import chat_logprobs
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest
-from server.openai.sse import DONE, encode_event
 from server.ops.protocol import DetokenizeRequest, TokenizeRequest
-from server.responses.driver import encode_named
 from server.sequences.protocol import SequenceCompletionRequest, SequenceCreateRequest
 
 

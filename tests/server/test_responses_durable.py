@@ -10,10 +10,10 @@ import pytest
 from http_support import LiveServer
 
 from engine.api.ids import new_id
-from server.openai.constraints import Tool
+from server.generation.constraints import Tool
+from server.generation.toolcalls import Prompting
 from server.responses.saved import ResponseFiles, _doc
 from server.responses.store import ResponseStore, Stored
-from server.responses.toolcalls import Prompting
 
 GREEDY = {"temperature": 0, "max_output_tokens": 8}
 

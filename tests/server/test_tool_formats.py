@@ -10,8 +10,8 @@ import pytest
 from http_support import LiveServer
 from tool_support import MESSAGES, SCHEMAS, TEMPLATES, TOOLS, assemble, save_model_dir, stream_chat
 
-from server.openai.constraints import Tool
-from server.openai.tools import FORMATS, format_for, parse_tool_calls, tool_parser
+from server.generation.constraints import Tool
+from server.generation.tools import FORMATS, format_for, parse_tool_calls, tool_parser
 
 TOOL_OBJS = [Tool.model_validate(t) for t in TOOLS]
 

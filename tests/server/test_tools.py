@@ -12,7 +12,7 @@ from http_support import LiveServer, sse_events
 from tool_support import MESSAGES, SCHEMAS, TIME, TOOLS, assemble, stream_chat
 
 from engine.loader.default import DEFAULT_MODEL_DIR
-from server.openai.tools import ToolCallStream, parse_tool_calls
+from server.generation.tools import ToolCallStream, parse_tool_calls
 
 
 @pytest.fixture(scope="module")

@@ -1,5 +1,5 @@
-"""`serve`: a started generation (`GenerationRun` + its `Formatter`) answered as one JSON body or an event
-stream.
+"""`serve`: a run answered in OpenAI's shapes through its `Formatter`, as one JSON body or an event stream
+(`/v1/completions`, `/v1/chat/completions` and sequence continuations), driven by `server.generation.driver`.
 
 Guarantees of `serve`:
 - Non-streaming: the route waits for every choice while watching for the client to leave; if it
@@ -17,9 +17,10 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from server.errors import APIError, as_api_error, error_body
-from server.openai.completions import Formatter, usage_chunk
-from server.openai.generation import ClientGone, GenerationRun, await_or_disconnect
-from server.openai.sse import DONE, SSEResponse
+from server.generation import driver
+from server.generation.formatter import Formatter, usage_chunk
+from server.generation.run import GenerationRun
+from server.generation.sse import DONE, SSEResponse
 from server.state import ServerContext
 
 log = logging.getLogger("cellserve.server")
@@ -28,53 +29,41 @@ log = logging.getLogger("cellserve.server")
 async def serve(request: Request, ctx: ServerContext, run: GenerationRun, fmt: Formatter, *,
                 stream: bool) -> Response:
     """Start the run (typed engine errors become 4xx/5xx here) and answer in the asked-for mode."""
-    try:
-        await await_or_disconnect(request, run.start(), run.close)
-    except ClientGone:
-        return Response(status_code=499)
+    gone = await driver.start(request, ctx, run)
+    if gone is not None:
+        return gone
     headers = {"X-Request-Id": run.request_id}
-    ctx.register(run)
     if stream:
         return SSEResponse(_stream(ctx, run, fmt), headers=headers)
-    try:
-        await await_or_disconnect(request, _collect(run, fmt), run.close)
-    except ClientGone:
-        return Response(status_code=499)
-    finally:
-        run.close()
-        ctx.unregister(run)
+    gone = await driver.collect(request, ctx, run, fmt.fold)
+    if gone is not None:
+        return gone
     failed = [s for s in fmt.states.values() if s.finish_reason == "error"]
     if failed:
         raise APIError(500, f"generation failed: {failed[0].error or 'engine error'}", code="engine_error")
     return JSONResponse(fmt.final(), headers=headers)
 
 
-async def _collect(run: GenerationRun, fmt: Formatter) -> None:
-    async for k, out in run.events():
-        fmt.note(k, out)
-        for co in out.outputs:
-            fmt.apply(k, co)
-
-
 async def _stream(ctx: ServerContext, run: GenerationRun, fmt: Formatter) -> AsyncIterator:
     try:
-        for c in fmt.opening_chunks():
-            yield c
-        started: set[tuple[int, int]] = set()
-        async for k, out in run.events():
-            fmt.note(k, out)
-            for co in out.outputs:
-                first = (k, co.index) not in started
-                started.add((k, co.index))
-                st = fmt.apply(k, co)
-                if co.finish_reason == "error":
-                    yield error_body(500, f"generation failed: {co.error or 'engine error'}", code="engine_error")
-                    yield DONE
-                    return
-                if co.text or co.token_ids or co.finish_reason or (first and st.prefix):
-                    delta = fmt.delta_chunk(st, co, first)
-                    if delta is not None:
-                        yield delta
+        async with driver.streamed(ctx, run) as events:
+            for c in fmt.opening_chunks():
+                yield c
+            started: set[tuple[int, int]] = set()
+            async for k, out in events:
+                fmt.note(k, out)
+                for co in out.outputs:
+                    first = (k, co.index) not in started
+                    started.add((k, co.index))
+                    st = fmt.apply(k, co)
+                    if co.finish_reason == "error":
+                        yield error_body(500, f"generation failed: {co.error or 'engine error'}", code="engine_error")
+                        yield DONE
+                        return
+                    if co.text or co.token_ids or co.finish_reason or (first and st.prefix):
+                        delta = fmt.delta_chunk(st, co, first)
+                        if delta is not None:
+                            yield delta
         if fmt.include_usage:
             use = fmt.total_usage()
             yield usage_chunk(fmt.chunk_object, run.request_id, fmt.created, fmt.model, use)
@@ -84,6 +73,5 @@ async def _stream(ctx: ServerContext, run: GenerationRun, fmt: Formatter) -> Asy
             log.exception("stream %s failed", run.request_id)
         yield err.body()
     finally:
-        run.close()
-        ctx.unregister(run)
+        driver.finish(ctx, run)  # also when the stream failed before its first output
     yield DONE

@@ -11,7 +11,7 @@ THINK, END_THINK = "<think>", "</think>"
 
 
 def speaks_think(chat_template) -> bool:
-    from server.openai.tool_formats import template_text
+    from server.generation.tool_formats import template_text
 
     return END_THINK in template_text(chat_template) or THINK in template_text(chat_template)
 
@@ -28,7 +28,7 @@ def template_kwargs(chat_template, kwargs: dict | None, reasoning_effort: str | 
     where the template reads it, or mapped onto its `enable_thinking` switch ("none" turns it off);
     Anthropic-style `thinking: {"type": "enabled"|"disabled"}` onto the same switch. Without a switch
     they change nothing (accepted, as docs/api.md says)."""
-    from server.openai.tool_formats import template_text
+    from server.generation.tool_formats import template_text
 
     text = template_text(chat_template)
     out = dict(kwargs or {})

@@ -7,9 +7,11 @@ from pydantic import ConfigDict, Field, model_validator
 
 from server.schema import ParamError, StrictModel
 
+TOOL_NAME = r"^[A-Za-z0-9_.\-]+$"  # what a function name may hold, on every API that offers tools
+
 
 class FunctionDef(StrictModel):
-    name: str = Field(min_length=1, max_length=64, pattern=r"^[A-Za-z0-9_.\-]+$")
+    name: str = Field(min_length=1, max_length=64, pattern=TOOL_NAME)
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None

@@ -4,8 +4,8 @@ Small). `[TOOL_CALLS]` is a control token that a decode skipping special tokens 
 
 import json
 
-from server.openai.tool_formats.base import Block, Call, JsonCall, ToolParser
-from server.openai.tool_formats.grammar import allowed, json_args, structural
+from server.generation.tool_formats.base import Block, Call, JsonCall, ToolParser
+from server.generation.tool_formats.grammar import allowed, json_args, structural
 
 MARKER = "[TOOL_CALLS]"
 

@@ -7,12 +7,12 @@ any other template that renders tools, and the generic JSON format for a templat
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from server.openai.tool_formats.base import ToolParser
-from server.openai.tool_formats.generic import GenericParser, generic_grammar
-from server.openai.tool_formats.hermes import HermesParser, hermes_grammar
-from server.openai.tool_formats.llama3 import Llama3Parser, llama3_grammar
-from server.openai.tool_formats.mistral import MistralParser, mistral_grammar
-from server.openai.tool_formats.qwen_xml import QwenXmlParser, qwen_xml_grammar
+from server.generation.tool_formats.base import ToolParser
+from server.generation.tool_formats.generic import GenericParser, generic_grammar
+from server.generation.tool_formats.hermes import HermesParser, hermes_grammar
+from server.generation.tool_formats.llama3 import Llama3Parser, llama3_grammar
+from server.generation.tool_formats.mistral import MistralParser, mistral_grammar
+from server.generation.tool_formats.qwen_xml import QwenXmlParser, qwen_xml_grammar
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,8 @@ one block per call (Qwen2.5, Qwen3, Hermes 2/3, SmolLM3 and most open models tra
 
 import json
 
-from server.openai.tool_formats.base import Block, JsonCall, ToolParser
-from server.openai.tool_formats.grammar import allowed, calls_grammar, json_args
+from server.generation.tool_formats.base import Block, JsonCall, ToolParser
+from server.generation.tool_formats.grammar import allowed, calls_grammar, json_args
 
 START, END = "<tool_call>", "</tool_call>"
 

@@ -3,8 +3,8 @@
 
 import json
 
-from server.openai.tool_formats.base import Block, JsonCall, ToolParser
-from server.openai.tool_formats.grammar import allowed, calls_grammar, json_args
+from server.generation.tool_formats.base import Block, JsonCall, ToolParser
+from server.generation.tool_formats.grammar import allowed, calls_grammar, json_args
 
 TRIGGER = '{"name"'
 PYTHON_TAG = "<|python_tag|>"

@@ -1,5 +1,5 @@
 """OpenAI response and stream-chunk shapes, built as plain dicts from per-choice state by a `Formatter`
-(completions' own; `server.openai.chat.ChatFormatter` builds on it).
+(what `/v1/completions` and sequence continuations answer; chat's formatter builds on it).
 
 Guarantees: the field names, nesting and `object` values match OpenAI's `text_completion`,
 `chat.completion` and `chat.completion.chunk` objects, so the `openai` SDK parses them unchanged;
@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.api.outputs import CompletionOutput, RequestOutput, TokenLogprob
-from server.openai.generation import GenerationRun
+from server.generation.run import GenerationRun
 
 TokenStr = Callable[[int], str]
 
@@ -183,6 +183,12 @@ class Formatter:
         return usage(self.run.prompt_tokens(), sum(len(s.token_ids) for s in self.states.values()),
                      sum(self.cached.values()), tuple(map(sum, zip((0, 0), *self.drafts.values()))),
                      predicted=bool(self.run.params.prediction_ids))
+
+    def fold(self, k: int, out: RequestOutput) -> None:
+        """Fold one engine output of prompt `k` into the choices (a whole answer's `driver.collect`)."""
+        self.note(k, out)
+        for co in out.outputs:
+            self.apply(k, co)
 
     def note(self, k: int, out: RequestOutput) -> None:
         """Per-request facts carried by every output (prompt tokens served from the prefix cache)."""

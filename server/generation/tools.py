@@ -1,7 +1,7 @@
 """Tool calling: tools into the prompt (through the model's chat template, or a system message for a
 template that cannot render them), decoding constrained to well-formed calls, and the model's calls out
 of its text, whole or streamed as OpenAI's argument deltas. The formats (Hermes, Llama 3.x JSON,
-Mistral, Qwen3-Coder XML, generic JSON) live in `server.openai.tool_formats`, chosen from the template.
+Mistral, Qwen3-Coder XML, generic JSON) live in `server.generation.tool_formats`, chosen from the template.
 
 Guarantees:
 - `tool_choice` "required" or a named function constrains decoding (an xgrammar structural tag, or a
@@ -9,7 +9,7 @@ Guarantees:
   functions with schema-valid arguments, whatever the model; "auto" constrains only what follows a
   call the model chose to open (generic: a JSON reply that is a call or an answer); "none" renders no
   tools and parses nothing.
-- Parsing, whole or streamed, is one `ToolParser` (see `server.openai.tool_formats.base`): no markup in
+- Parsing, whole or streamed, is one `ToolParser` (see `server.generation.tool_formats.base`): no markup in
   the content, the same calls whatever the split.
 - Torch-free: grammars leave here as JSON text (`engine.api.sampling_params.GuidedDecoding` fields).
 
@@ -17,10 +17,10 @@ The functions below are the stable interface other API surfaces (responses, mess
 defaults are the Hermes format, as before formats were chosen.
 """
 
-from server.openai.tool_formats import FORMATS, GENERIC, HERMES, ToolFormat, format_for, renders_tools
-from server.openai.tool_formats.base import ToolParser
-from server.openai.tool_formats.generic import generic_messages
-from server.openai.tool_formats.hermes import END, START
+from server.generation.tool_formats import FORMATS, GENERIC, HERMES, ToolFormat, format_for, renders_tools
+from server.generation.tool_formats.base import ToolParser
+from server.generation.tool_formats.generic import generic_messages
+from server.generation.tool_formats.hermes import END, START
 
 __all__ = ["END", "FORMATS", "GENERIC", "HERMES", "START", "ToolCallStream", "ToolFormat", "ToolParser",
            "call_grammar", "format_for", "generic_messages", "parse_tool_calls", "supports_tools",

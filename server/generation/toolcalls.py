@@ -1,10 +1,10 @@
-"""Tool calling for `/v1/responses` and `/v1/messages`, over the chat routes' own machinery
-(`server.openai.tools` and its formats): the one place these APIs touch it, so a change there is adapted
+"""Tool calling for `/v1/responses` and `/v1/messages`, over the same machinery as chat completions
+(`server.generation.tools` and its formats): the one place these APIs touch it, so a change there is adapted
 here once.
 
-`ToolPlan` takes the offered tools (as `server.openai.constraints.Tool`), the API's choice mode
+`ToolPlan` takes the offered tools (as `server.generation.constraints.Tool`), the API's choice mode
 (none | auto | required | named) and the model's chat template, whose tool-call format
-(`server.openai.tools.format_for`: Hermes, Llama 3.x JSON, Mistral, Qwen3-Coder XML, or the generic JSON
+(`server.generation.tools.format_for`: Hermes, Llama 3.x JSON, Mistral, Qwen3-Coder XML, or the generic JSON
 format for a template that cannot render tools) decides everything else. It gives what a route needs:
 - `prompting()`: how the tools reach the prompt (`Prompting.apply(messages)` -> the messages and the
   template's `tools=` argument; generic: the tools in a system message, earlier calls and results
@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from server.errors import APIError
-from server.openai.constraints import Tool
-from server.openai.tools import (
+from server.generation.constraints import Tool
+from server.generation.tools import (
     ToolFormat,
     ToolParser,
     call_grammar,

@@ -7,17 +7,20 @@ notice a dropped client at its next write: a request still waiting in the queue 
 yet) must be cancelled as soon as its client leaves. When the client goes, the body iterator is
 cancelled and closed, so its `finally` runs and cancels the engine request (cells freed next tick).
 JSON encoding happens here, on the asyncio thread, never on the engine's loop thread.
+
+`NamedEventStream` is the same with named events (`event: <type>` then `data: {json}`, no `[DONE]`),
+which is what the `openai` Responses and the `anthropic` stream parsers read.
 """
 
 import json
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import anyio
 from starlette.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-from server.openai.generation import wait_disconnect
+from server.generation.driver import wait_disconnect
 
 DONE = object()  # sentinel payload: the terminating `data: [DONE]` event
 SSE_HEADERS = {"Cache-Control": "no-store", "X-Accel-Buffering": "no"}
@@ -81,3 +84,22 @@ class SSEResponse(StreamingResponse):
             aclose = getattr(it, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+
+def encode_named(event: tuple[str, dict]) -> bytes:
+    name, data = event
+    return f"event: {name}\ndata: ".encode() + event_json(data) + b"\n\n"
+
+
+class NamedEventStream(SSEResponse):
+    """An SSE stream of `(event name, payload)` pairs, with `SSEResponse`'s cancel-on-disconnect."""
+
+    def __init__(self, events: AsyncIterator[tuple[str, dict]], *, headers: dict[str, str] | None = None,
+                 encode: Callable[[tuple[str, dict]], bytes] = encode_named):
+        self._payloads = events
+
+        async def encoded() -> AsyncIterator[bytes]:
+            async for event in events:
+                yield encode(event)
+
+        StreamingResponse.__init__(self, encoded(), headers={**SSE_HEADERS, **(headers or {})})

@@ -6,8 +6,8 @@ JSON when it parses). Arguments stream one parameter at a time, as JSON."""
 import json
 import re
 
-from server.openai.tool_formats.base import Block, ToolParser
-from server.openai.tool_formats.grammar import allowed, calls_grammar, json_args
+from server.generation.tool_formats.base import Block, ToolParser
+from server.generation.tool_formats.grammar import allowed, calls_grammar, json_args
 
 START, END = "<tool_call>", "</tool_call>"
 FUNCTION = re.compile(r"<function=([^>\n]+)>")

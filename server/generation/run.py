@@ -11,18 +11,12 @@ prefills once and forks). `GenerationRun` guarantees:
   `cancelled` output); `close()` is what every route calls in a `finally`: it cancels what is left
   and counts it, so a dropped client or an exception frees the request's cells at the next tick.
 
-A client that leaves is noticed one way (`wait_disconnect`, the ASGI `http.disconnect`), whether a
-route is waiting on the engine (`await_or_disconnect`, which raises `ClientGone`) or streaming
-(`server.openai.sse`).
+How a route waits on a run (and notices a client that leaves) is `server.generation.driver`.
 """
 
 import asyncio
-import contextlib
-from collections.abc import AsyncIterator, Awaitable
-from typing import TYPE_CHECKING, Any
-
-from fastapi import Request
-from starlette.types import Receive
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING
 
 from engine.api.outputs import RequestOutput
 from server.metrics import RequestObserver, ServerMetrics
@@ -33,10 +27,6 @@ if TYPE_CHECKING:  # types only: the server does not import the engine (torch) a
 
 
 _END = object()
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected while we were waiting on the engine."""
 
 
 class GenerationRun:
@@ -126,39 +116,3 @@ class GenerationRun:
         for k in range(self._attempted):
             if k not in self._finished:
                 self.engine.cancel_nowait(self.engine_ids[k])
-
-
-async def await_or_disconnect(request: Request, work: Awaitable, on_disconnect) -> Any:
-    """Await `work`, but if the client disconnects first: call `on_disconnect()` and raise ClientGone.
-
-    Listens for the ASGI `http.disconnect` message (the body has already been read, so the next
-    message can only be that) instead of polling `request.is_disconnected()`: it reacts at once and
-    costs nothing while waiting.
-    """
-    task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(wait_disconnect(request.receive))
-    try:
-        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-    except asyncio.CancelledError:
-        task.cancel()
-        on_disconnect()
-        raise
-    gone = watcher.done()  # checked before the watcher is cancelled below
-    watcher.cancel()
-    if task.done() and not gone:
-        return task.result()
-    # The client is gone (even if the work finished in the same turn: nobody would read the answer).
-    task.cancel()
-    on_disconnect()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
-        await task
-    raise ClientGone()
-
-
-async def wait_disconnect(receive: Receive) -> None:
-    """Return when the client disconnects: the one way both a waiting route and a stream notice it
-    (the body has been read, so the next ASGI message can only be `http.disconnect`)."""
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            return

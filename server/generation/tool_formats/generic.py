@@ -6,8 +6,8 @@ former). The parser turns it back into a tool call, or streams the response stri
 import json
 import re
 
-from server.openai.tool_formats.base import Block, JsonCall, ToolParser
-from server.openai.tool_formats.grammar import allowed, parameters
+from server.generation.tool_formats.base import Block, JsonCall, ToolParser
+from server.generation.tool_formats.grammar import allowed, parameters
 
 HEAD = re.compile(r'\s*\{\s*"(tool_call|response)"\s*:\s*')
 

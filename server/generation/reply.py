@@ -1,6 +1,6 @@
 """One reply's text split as `/v1/responses` and `/v1/messages` show it: first the `<think>` part
-(`server.openai.reasoning`, when the template speaks `<think>`), then the answer into text and tool
-calls (`server.responses.toolcalls`).
+(`server.generation.reasoning`, when the template speaks `<think>`), then the answer into text and tool
+calls (`server.generation.toolcalls`).
 
 Guarantees: the whole split (`Reply.split`) and the streamed one (`Reply.stream().feed`) agree for any
 cut of the text into deltas; tags never reach either part; tool calls are parsed from the answer only;
@@ -10,8 +10,8 @@ token included), which is what `output_tokens_details.reasoning_tokens` reports.
 
 from dataclasses import dataclass
 
-from server.openai.reasoning import ReasoningSplitter, opens_thinking, speaks_think
-from server.responses.toolcalls import ToolPlan, ToolStream, chat_template_of
+from server.generation.reasoning import ReasoningSplitter, opens_thinking, speaks_think
+from server.generation.toolcalls import ToolPlan, ToolStream, chat_template_of
 from server.state import ServerContext
 
 

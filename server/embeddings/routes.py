@@ -16,7 +16,7 @@ from fastapi.responses import Response
 from engine.api.ids import new_id
 from server.embeddings.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
 from server.errors import APIError
-from server.openai.generation import ClientGone, await_or_disconnect
+from server.generation.driver import ClientGone, await_or_disconnect
 from server.state import ServerContext
 
 router = APIRouter()

@@ -14,6 +14,10 @@ from fastapi.responses import JSONResponse, Response
 
 from engine.api.ids import new_id
 from server.errors import APIError, as_api_error
+from server.generation.driver import ClientGone, await_or_disconnect
+from server.generation.run import GenerationRun
+from server.generation.sampling import build_sampling_params
+from server.generation.sse import STREAMED_200, SSEResponse
 from server.llamacpp.answer import Answer
 from server.llamacpp.fim import fim_tokens, infill_ids
 from server.llamacpp.protocol import (
@@ -24,9 +28,6 @@ from server.llamacpp.protocol import (
     SlotFile,
 )
 from server.llamacpp.slots import SLOTS, Slots
-from server.openai.generation import ClientGone, GenerationRun, await_or_disconnect
-from server.openai.protocol import build_sampling_params
-from server.openai.sse import STREAMED_200, SSEResponse
 from server.state import ServerContext
 
 router = APIRouter()

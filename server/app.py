@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Union
 from fastapi import Depends, FastAPI
 from starlette.middleware.cors import CORSMiddleware
 
+from server.adapters import routes as adapter_routes
 from server.anthropic import routes as anthropic_routes
 from server.anthropic.errors import AnthropicErrors, require_key
 from server.embeddings import routes as embedding_routes
@@ -66,13 +67,15 @@ def build_app(engine: Union["EngineClient", EngineFactory], *, served_model_name
                   description="Multi-sequence LLM inference over one shared pool of KV cells.", **docs)
     app.state.ctx = ctx
     app.state.pooling = pooling
+    ctx.metrics.registry.register(adapter_routes.AdapterCollector(ctx))
     install_error_handlers(app)
     app.include_router(ops_routes.public, responses=ERROR_RESPONSES)
     if ui:
         app.include_router(ui_routes.router)
     guarded = [Depends(require_api_key)]
     for router in (openai_routes.router, sequence_routes.router, ops_routes.router, responses_routes.router,
-                   llamacpp_routes.router, embedding_routes.router):
+                   llamacpp_routes.router, embedding_routes.router,
+                   adapter_routes.router):
         app.include_router(router, dependencies=guarded, responses=ERROR_RESPONSES)
     app.include_router(anthropic_routes.router, dependencies=[Depends(require_key)], responses=ERROR_RESPONSES)
     _document_errors_only_as_sent(app)

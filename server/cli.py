@@ -53,6 +53,14 @@ def parse_size(text: str) -> int:
     return value
 
 
+def _lora_module(text: str) -> tuple[str, str]:
+    """`--lora NAME=PATH`."""
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise argparse.ArgumentTypeError(f"{text!r}: give NAME=PATH (the name requests use as their model)")
+    return name, path
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -114,6 +122,13 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "--model): drafts where no n-gram draft exists, on its own cell pool (speculative auto/ngram)")
     p.add_argument("--draft-dtype", default=ENGINE.draft_dtype, choices=["auto", "float32", "bfloat16", "float16", "quantized"],
                    help="the draft model's dtype, as --dtype (auto: a .gguf's own quantized blocks where they run)")
+    p.add_argument("--lora", action="append", type=_lora_module, default=[], metavar="NAME=PATH",
+                   help="a LoRA adapter (a PEFT folder or a llama.cpp LoRA .gguf) loaded at start, served as model "
+                        "NAME (repeatable; llama.cpp's ids 0, 1, ... in this order)")
+    p.add_argument("--max-loras", type=_positive_int, default=ENGINE.max_loras,
+                   help="LoRA adapters resident at once (the least recently used one not in use is unloaded)")
+    p.add_argument("--max-lora-memory", type=parse_size, default=None,
+                   help="bytes the resident adapters may take, e.g. 512MiB (a load beyond it: 507); default: no limit")
     p.add_argument("--no-prefix-cache", action="store_true",
                    help="turn automatic prefix sharing off (finished requests free their cells at once)")
     p.add_argument("--no-warmup", action="store_true",

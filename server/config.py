@@ -37,7 +37,16 @@ def engine_args_of(args: argparse.Namespace) -> EngineArgs:
                       speculative=args.speculative, num_speculative_tokens=args.num_speculative_tokens,
                       draft_model=args.draft_model, draft_dtype=args.draft_dtype,
                       state_dir=args.state_dir, state_max_bytes=args.state_max_bytes, state_eager=args.state_eager,
-                      warmup=not args.no_warmup)
+                      warmup=not args.no_warmup, lora_modules=_lora_modules(args.lora),
+                      max_loras=args.max_loras, max_lora_memory=args.max_lora_memory)
+
+
+def _lora_modules(pairs: list[tuple[str, str]]) -> dict[str, str]:
+    names = [name for name, _ in pairs]
+    dup = next((n for n in names if names.count(n) > 1), None)
+    if dup is not None:
+        raise ValueError(f"--lora {dup}=... is given twice: each adapter needs its own name")
+    return dict(pairs)
 
 
 def engine_factory(args: argparse.Namespace) -> Callable[[], object]:

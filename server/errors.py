@@ -28,6 +28,7 @@ from engine.api.errors import (
     SequenceNotFound,
     StorageFull,
 )
+from engine.api.lora import AdapterBusy, AdapterMemoryFull, AdapterNotFound
 
 log = logging.getLogger("cellserve.server")
 
@@ -58,6 +59,9 @@ ENGINE_STATUS: dict[type[EngineError], int] = {
     EngineUnavailable: 503,
     IncompatibleState: 409,  # an archive of another model: it conflicts with the model this server runs
     StorageFull: 507,  # a save the state dir refused; nothing was lost
+    AdapterNotFound: 404,
+    AdapterBusy: 409,  # an unload while requests run under the adapter
+    AdapterMemoryFull: 507,  # --max-loras / --max-lora-memory full of adapters in use; nothing was unloaded
 }
 
 

@@ -10,6 +10,8 @@
   reading, since a step's tensors live only while it runs;
 - `grammar_cache`, `prefix_index`, `tokenizer`: the caches (compiled grammars, the prefix index's block
   hashes, the tokenizer's vocabulary and merges as serialized);
+- `lora_adapters`: the resident LoRA adapters' A and B matrices (each one's bytes: `/v1/models`,
+  `cellserve:lora_adapter_bytes{adapter}`);
 - `allocator_free`: bytes glibc's malloc holds in its arenas but nothing uses (`mallinfo2().fordblks`): what
   a burst leaves behind, and what `malloc_trim` can give back;
 - `rss`, `peak_rss`: the process's VmRSS and VmHWM; `other` is `rss` less weights, pool and caches: the
@@ -37,7 +39,7 @@ class MemoryReport:
     weights: int
     cell_pool: int
     step_buffers: int  # a bound (see the module docstring), not a reading
-    caches: dict[str, int] = field(default_factory=dict)  # grammar_cache, prefix_index, tokenizer
+    caches: dict[str, int] = field(default_factory=dict)  # grammar_cache, prefix_index, tokenizer, lora_adapters
     allocator_free: int = 0
     rss: int = 0
     peak_rss: int = 0

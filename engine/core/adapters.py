@@ -18,6 +18,7 @@ from engine.api.errors import InvalidRequest
 from engine.api.lora import AdapterBusy, AdapterInfo, AdapterNotFound, LoraBinding, LoraRef
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence
+from engine.loader.adapters import AdapterError
 
 
 class Adapters:
@@ -48,13 +49,21 @@ class Adapters:
             self.scheduler.release(seq)
             seq.lora = lora
 
-    def load(self, name: str, path: str) -> AdapterInfo:
+    def load(self, name: str, path: str, replace: bool = False) -> AdapterInfo:
+        """Load `path` as `name` (llama.cpp's next id); an adapter of that name already loaded is replaced only
+        with `replace` (vLLM's load_inplace), and never while requests run under it."""
         if self.registry is None:
             raise InvalidRequest("LoRA adapters run on the native forward (Llama, Mistral, Qwen2/3, Gemma 3); this "
                                  "model runs on the transformers modules", "lora_path")
         if not name or not isinstance(name, str):
             raise InvalidRequest("an adapter needs a non-empty name", "lora_name")
-        adapter, gone = self.registry.load(name, path, self.busy())
+        if name in self.registry.adapters and not replace:
+            raise InvalidRequest(f"an adapter named {name!r} is already loaded: unload it first, or load with "
+                                 f"load_inplace true to replace its weights", "lora_name")
+        try:
+            adapter, gone = self.registry.load(name, path, self.busy())
+        except (AdapterError, OSError) as exc:  # the folder or file: a 400 saying what is wrong with it
+            raise InvalidRequest(str(exc), "lora_path") from None
         self._drop_cells({a.uid for a in gone})
         return adapter.info
 

@@ -25,6 +25,7 @@ from pathlib import Path
 
 from engine.api.args import EngineArgs
 from engine.api.errors import EngineUnavailable, RequestNotFound
+from engine.api.lora import AdapterInfo, LoraRef
 from engine.api.memory import MemoryReport
 from engine.api.outputs import CompletionOutput, EngineStats, RequestOutput, SequenceInfo
 from engine.api.sampling_params import SamplingParams
@@ -173,12 +174,12 @@ class AsyncEngine:
         self._commands.put((lambda: self.engine.cancel(request_id), None))
 
     # ----- persistent sequences --------------------------------------------------------------
-    async def create_sequence(self, prompt_ids: list[int]) -> SequenceInfo:
+    async def create_sequence(self, prompt_ids: list[int], lora: LoraRef | None = None) -> SequenceInfo:
         """A new persistent sequence, returned once its prompt is prefilled. If the caller is cancelled
         (its client left) before it returns, the sequence is deleted: no id nobody received holds cells."""
         stream = RequestStream("create")
         emit = self._emitter(stream)
-        seq_id = await self._call(lambda: self.engine.create_sequence(prompt_ids, emit)[0].seq_id,
+        seq_id = await self._call(lambda: self.engine.create_sequence(prompt_ids, emit, lora)[0].seq_id,
                                   undo=self._delete_quietly)
         try:
             async for _ in stream:
@@ -255,6 +256,19 @@ class AsyncEngine:
     def memory(self) -> MemoryReport:
         """Resident memory by owner, read now (engine/api/memory.py); never waits for the loop."""
         return self.engine.memory()
+
+    # ----- LoRA adapters (engine/core/adapters.py): loaded and unloaded between steps -----------------
+    async def load_lora(self, name: str, path: str, replace: bool = False) -> AdapterInfo:
+        """Load (or with `replace`, reload) an adapter: on the loop thread between two steps, so no step sees
+        half of it (reading a PEFT folder takes about as long as a step of a small model)."""
+        return await self._call(lambda: self.engine.adapters.load(name, path, replace))
+
+    async def unload_lora(self, name: str) -> AdapterInfo:
+        return await self._call(lambda: self.engine.adapters.unload(name), check_accepting=False)
+
+    def lora_adapters(self) -> list[AdapterInfo]:
+        """The loaded adapters as of now (a snapshot list; never waits for the loop)."""
+        return self.engine.adapters.infos()
 
     # ----- internals -------------------------------------------------------------------------
     def _emitter(self, stream: RequestStream) -> Callable[[RequestOutput], None]:

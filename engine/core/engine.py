@@ -87,7 +87,8 @@ class Engine:
         self.steps = self.generated_tokens = self.prompt_tokens = 0
         self.memory_account = MemoryAccount([runner] + ([draft] if draft is not None else []),
                                             cfg.max_num_batched_tokens, grammar=self.admission.grammar_cache_bytes,
-                                            prefix=self.scheduler.prefix.footprint)
+                                            prefix=self.scheduler.prefix.footprint,
+                                            adapters=lambda: sum(a.nbytes for a in self.adapters.infos()))
 
     @classmethod
     def from_args(cls, args: EngineArgs, runner: ModelRunner | None = None) -> "Engine":

@@ -92,14 +92,15 @@ class MemoryAccount:
     Safe to call from any thread (it only reads)."""
 
     def __init__(self, runners: list, max_num_batched_tokens: int, *, grammar: Callable[[], int],
-                 prefix: Callable[[], int]):
+                 prefix: Callable[[], int], adapters: Callable[[], int] = lambda: 0):
         self.weights = sum(weight_bytes(r) for r in runners)
         self.cell_pool = sum(r.n_cells * r.cell_bytes for r in runners)
         self.step_buffers = max(step_buffer_bytes(r, max_num_batched_tokens) for r in runners)
         self.tokenizer = tokenizer_bytes(runners[0].tokenizer) if runners[0].tokenizer is not None else 0
-        self._grammar, self._prefix = grammar, prefix
+        self._grammar, self._prefix, self._adapters = grammar, prefix, adapters
 
     def report(self) -> MemoryReport:
         rss, peak = process_rss()
-        caches = {"grammar_cache": self._grammar(), "prefix_index": self._prefix(), "tokenizer": self.tokenizer}
+        caches = {"grammar_cache": self._grammar(), "prefix_index": self._prefix(), "tokenizer": self.tokenizer,
+                  "lora_adapters": self._adapters()}
         return MemoryReport(self.weights, self.cell_pool, self.step_buffers, caches, allocator_free() or 0, rss, peak)

@@ -204,6 +204,7 @@ class LoraRegistry:
         self.dims, self.dtype, self.max_loras, self.max_bytes = dims, dtype, max_loras, max_bytes
         self.adapters: OrderedDict[str, Adapter] = OrderedDict()
         self._uids = itertools.count()
+        self._infos: tuple[AdapterInfo, ...] = ()  # by id, rebuilt on every load/unload: other threads read it
 
     def load(self, name: str, path: str, busy: frozenset[int] = frozenset()) -> tuple[Adapter, list[Adapter]]:
         """Read and hold the adapter at `path` as `name` (replacing a loaded one of that name unless busy);
@@ -217,21 +218,30 @@ class LoraRegistry:
         if self.max_bytes is not None and adapter.nbytes > self.max_bytes:
             raise AdapterMemoryFull(f"adapter {name!r} needs {adapter.nbytes} bytes, more than max_lora_memory "
                                     f"({self.max_bytes}): raise --max-lora-memory", "lora_path")
-        gone = [self.adapters.pop(name)] if old is not None else []
-        while len(self.adapters) >= self.max_loras or self._bytes() + adapter.nbytes > (self.max_bytes or 1 << 62):
-            victim = next((a for a in self.adapters.values() if a.uid not in busy), None)
-            if victim is None:
-                raise AdapterMemoryFull(f"adapter {name!r} does not fit: the {len(self.adapters)} adapters loaded "
-                                        f"({self._bytes()} bytes; --max-loras {self.max_loras}, --max-lora-memory "
-                                        f"{self.max_bytes}) are all in use; retry when requests finish", "lora_name")
-            gone.append(self.adapters.pop(victim.name))
+        gone = [old] if old is not None else []
+        kept = [a for a in self.adapters.values() if a is not old]  # least recently used first
+        limit = self.max_bytes if self.max_bytes is not None else float("inf")
+        for victim in [a for a in kept if a.uid not in busy]:
+            if len(kept) < self.max_loras and sum(a.nbytes for a in kept) + adapter.nbytes <= limit:
+                break
+            kept.remove(victim)
+            gone.append(victim)
+        if len(kept) >= self.max_loras or sum(a.nbytes for a in kept) + adapter.nbytes > limit:
+            raise AdapterMemoryFull(f"adapter {name!r} does not fit: the {len(kept)} adapters left loaded "
+                                    f"({sum(a.nbytes for a in kept)} bytes; --max-loras {self.max_loras}, "
+                                    f"--max-lora-memory {self.max_bytes}) are all in use; retry when requests "
+                                    f"finish", "lora_name")
+        for victim in gone:  # nothing changed until it is certain to fit
+            del self.adapters[victim.name]
         self.adapters[name] = adapter
+        self._snapshot()
         return adapter, gone
 
     def unload(self, name: str) -> Adapter:
         adapter = self.adapters.pop(name, None)
         if adapter is None:
             raise AdapterNotFound(f"no adapter named {name!r} is loaded ({self._names()})", "lora_name")
+        self._snapshot()
         return adapter
 
     def get(self, name: str) -> Adapter | None:
@@ -257,7 +267,11 @@ class LoraRegistry:
         return StepLora(segments)
 
     def infos(self) -> list[AdapterInfo]:
-        return [a.info for a in sorted(self.adapters.values(), key=lambda a: a.uid)]
+        """The loaded adapters by id (safe from any thread: a snapshot)."""
+        return list(self._infos)
+
+    def _snapshot(self) -> None:
+        self._infos = tuple(a.info for a in sorted(self.adapters.values(), key=lambda a: a.uid))
 
     def _bytes(self) -> int:
         return sum(a.nbytes for a in self.adapters.values())

@@ -20,6 +20,7 @@ from server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from server.anthropic.shapes import MessageBuilder, usage
 from server.errors import APIError, as_api_error
 from server.generation import driver
+from server.generation.lora import lora_ref
 from server.generation.output import Output
 from server.generation.reasoning import template_kwargs
 from server.generation.reply import Reply, reply_of
@@ -45,7 +46,7 @@ async def _prompt(ctx: ServerContext, body: CountTokensRequest) -> tuple[list[in
 
 
 def sampling(body: MessagesRequest, guided: dict | None) -> SamplingParams:
-    kwargs = {"max_tokens": body.max_tokens}
+    kwargs = {"max_tokens": body.max_tokens, "lora": lora_ref(body.model)}
     for name in ("temperature", "top_p", "top_k"):
         if getattr(body, name) is not None:
             kwargs[name] = getattr(body, name)

@@ -23,6 +23,7 @@ from pydantic import Field, field_validator, model_validator
 
 from engine.api.sampling_params import MAX_N, MAX_TEMPERATURE, PENALTY_RANGE, check_logit_bias
 from server.generation.constraints import ResponseFormat
+from server.generation.lora import LoraEntry
 from server.schema import ParamError, StrictModel
 
 # --- The tables of fields this server refuses or ignores (the request models below use them).
@@ -94,7 +95,8 @@ class SamplingFields(StrictModel):
             reject_unsupported(data, cls.unsupported)
         return data
 
-    model: str | None = None
+    model: str | None = None  # a loaded LoRA adapter's name runs the request under it (server/generation/lora.py)
+    lora: list[LoraEntry] | None = Field(None, max_length=16)  # llama.cpp's [{id, scale}]
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0.0, le=MAX_TEMPERATURE)
     top_p: float | None = Field(None, gt=0.0, le=1.0)

@@ -12,6 +12,7 @@ from typing import Any
 from engine.api.sampling_params import GuidedDecoding, SamplingParams
 from server.errors import APIError
 from server.generation.fields import SamplingFields
+from server.generation.lora import lora_ref
 from server.state import ServerContext
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the context that is left)
@@ -34,7 +35,8 @@ def sampling_params(fields: SamplingFields, *, max_tokens: int, logprobs: int | 
                               "bad_words_ids": bad_words_ids or [], "priority": fields.priority,
                               "skip_special_tokens": fields.skip_special_tokens,
                               "prediction_ids": prediction_ids or [],
-                              "eos_token_ids": (eos_token_ids or []) if fields.min_tokens else []}
+                              "eos_token_ids": (eos_token_ids or []) if fields.min_tokens else [],
+                              "lora": lora_ref(fields.model, fields.lora)}
     for name in PASSTHROUGH:
         value = getattr(fields, name)
         if value is not None:

@@ -12,13 +12,14 @@ from typing import Any, ClassVar
 
 from pydantic import Field, field_validator, model_validator
 
+from server.generation.lora import LoraEntry, lora_ref
 from server.schema import ParamError, StrictModel
 
 # llama.cpp's default n_predict is -1 (until the context is full or EOS)
 # field -> values that mean "off" (accepted); any other value is a 400 naming it
 REFUSED: dict[str, tuple] = {"mirostat": (0,), "typical_p": (1, 1.0), "dry_multiplier": (0, 0.0),
                              "xtc_probability": (0, 0.0), "dynatemp_range": (0, 0.0), "top_n_sigma": (-1, -1.0),
-                             "lora": ([],), "image_data": ([],), "multimodal_data": ([],),
+                             "image_data": ([],), "multimodal_data": ([],),
                              "post_sampling_probs": (False,), "n_indent": (0,), "n_cmpl": (1,)}
 FILENAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
@@ -41,6 +42,7 @@ class NativeSampling(StrictModel):
     frequency_penalty: float = 0.0
     ignore_eos: bool = False
     logit_bias: list[list[Any]] | dict[str, Any] | None = None
+    lora: list[LoraEntry] | None = Field(None, max_length=16)  # [{id, scale}]: the request's adapter (server/adapters)
     stream: bool = False
     cache_prompt: bool = True
     id_slot: int = Field(-1, ge=-1)
@@ -66,7 +68,8 @@ class NativeSampling(StrictModel):
         out: dict[str, Any] = {"temperature": self.temperature, "top_k": max(self.top_k, 0), "top_p": self.top_p,
                                "min_p": self.min_p, "repetition_penalty": self.repeat_penalty,
                                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
-                               "ignore_eos": self.ignore_eos, "logprobs": self.n_probs or None}
+                               "ignore_eos": self.ignore_eos, "logprobs": self.n_probs or None,
+                               "lora": lora_ref(None, self.lora)}
         if self.seed >= 0:
             out["seed"] = self.seed
         if self.stop:

@@ -14,6 +14,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from engine.api.errors import RequestNotFound
 from server.errors import APIError
+from server.generation.lora import adapter_cards
 from server.generation.sequence_view import sequence_view
 from server.metrics import CONTENT_TYPE
 from server.ops.protocol import DetokenizeRequest, TokenizeRequest
@@ -42,7 +43,7 @@ async def models(request: Request) -> dict:
     engine = ctx.require_engine()
     card = {"id": ctx.model_name, "object": "model", "created": STARTED, "owned_by": "cellserve",
             "root": engine.model_name, "parent": None, "max_model_len": engine.max_model_len}
-    return {"object": "list", "data": [card]}
+    return {"object": "list", "data": [card, *adapter_cards(ctx, STARTED)]}
 
 
 @router.get("/v1/cache")

@@ -22,6 +22,7 @@ from engine.api.sampling_params import SamplingParams
 from server.errors import APIError, as_api_error
 from server.generation import driver
 from server.generation.driver import ClientGone
+from server.generation.lora import lora_ref
 from server.generation.output import Output
 from server.generation.reasoning import template_kwargs
 from server.generation.reply import Reply, reply_of
@@ -52,7 +53,7 @@ def store_of(request: Request) -> ResponseStore:
 
 
 def sampling(body: ResponsesRequest, max_tokens: int, guided: dict | None) -> SamplingParams:
-    kwargs = {"max_tokens": max_tokens}
+    kwargs = {"max_tokens": max_tokens, "lora": lora_ref(body.model)}
     for name in ("temperature", "top_p", "top_k", "seed"):
         if getattr(body, name) is not None:
             kwargs[name] = getattr(body, name)

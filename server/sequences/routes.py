@@ -19,6 +19,7 @@ from engine.api.errors import EngineError
 from engine.api.ids import new_id
 from server.generation.driver import ClientGone, await_or_disconnect
 from server.generation.formatter import Formatter
+from server.generation.lora import lora_ref
 from server.generation.run import GenerationRun
 from server.generation.sampling import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params, token_rules
 from server.generation.sequence_view import sequence_view
@@ -44,7 +45,7 @@ async def create_sequence(body: SequenceCreateRequest, request: Request) -> Resp
                                       empty_ok=True)
     if not ids:
         ids = await ctx.tokens.encode("")  # BOS, or a 400 saying the model has none
-    work = asyncio.ensure_future(engine.create_sequence(ids))
+    work = asyncio.ensure_future(engine.create_sequence(ids, lora_ref(body.model)))  # `model` an adapter: its own
     try:  # a create whose client is gone is rolled back (no sequence under an id nobody received)
         info = await await_or_disconnect(request, work, lambda: None)
     except ClientGone:

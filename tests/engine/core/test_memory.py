@@ -28,7 +28,7 @@ def test_owners_are_what_the_engine_holds(model_dir):
     assert report.cell_pool == runner.n_cells * runner.cell_bytes
     assert report.step_buffers == step_buffer_bytes(runner, 128)
     assert set(report.owners()) == {"weights", "cell_pool", "step_buffers", "grammar_cache", "prefix_index",
-                                    "tokenizer", "allocator_free", "other"}
+                                    "tokenizer", "lora_adapters", "allocator_free", "other"}
     rss, peak = process_rss()
     assert 0 < report.rss <= peak and abs(report.rss - rss) < 64 << 20
     assert report.other == max(0, report.rss - report.weights - report.cell_pool - sum(report.caches.values()))

@@ -19,6 +19,7 @@ import time
 
 from engine.api.errors import InvalidRequest, SequenceBusy, SequenceNotFound, StorageFull
 from engine.api.ids import new_id
+from engine.api.lora import LoraBinding
 from engine.api.outputs import SequenceInfo
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence
@@ -167,6 +168,8 @@ class SequenceTable:
     def _adopt(self, rec: SequenceRecord, seq_id: str, parent: str | None) -> Sequence:
         seq = Sequence(seq_id, list(rec.token_ids), persistent=True, parent=parent, fork_at=rec.fork_at,
                        created=rec.created or time.time())
+        if rec.lora is not None:  # its adapter by name: bound to the load it finds when it next runs (uid -1: none yet)
+            seq.lora = LoraBinding(-1, *rec.lora)
         self.by_id[seq_id] = seq
         return seq
 

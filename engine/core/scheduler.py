@@ -235,7 +235,8 @@ class Scheduler:
         `reserve` cells this tick's plan needs (see `load_cells`); never its last token, whose logits are
         needed. A sequence that scores its prompt (`shares_prefix` False) loads nothing, and a plain request
         only with prefix caching on. Returns `seq.n_cached` if it gained any cells, else 0."""
-        if self.pager is None or not seq.shares_prefix or not (seq.persistent or self.prefix_caching):
+        if self.pager is None or not seq.shares_prefix or not (seq.persistent or self.prefix_caching) \
+                or seq.lora is not None:  # an adapter's cells are never saved (engine/core/state/store.py)
             return 0
         before = seq.n_cached
         self.pager(seq, min(len(seq.token_ids) - 1, seq.cache_target()), reserve)

@@ -29,15 +29,17 @@ def export_archive(identity: ModelIdentity, seqs, scheduler, saved: dict[str, Se
     cells no longer in RAM (empty, None without a store)."""
     tensors, records = {}, []
     for seq in seqs:
-        rec = SequenceRecord(seq.seq_id, list(seq.token_ids), seq.parent, seq.fork_at, seq.created, seq.created)
+        rec = SequenceRecord(seq.seq_id, list(seq.token_ids), seq.parent, seq.fork_at, seq.created, seq.created,
+                             lora=SequenceRecord.lora_of(seq))
         on_disk = saved.get(seq.seq_id)
-        if seq.slot is not None and seq.n_cached > 0 and (on_disk is None or seq.n_cached >= on_disk.cells_n):
+        # an adapter's cells stay in RAM (engine/core/state/store.py): its tokens and its adapter's name travel
+        if rec.lora is None and seq.slot is not None and seq.n_cached > 0 and (on_disk is None or seq.n_cached >= on_disk.cells_n):
             spans = chunk_spans(identity, seq.token_ids, seq.n_cached)
             for key, a, b in spans:
                 if f"{key}.k" not in tensors:
                     tensors[f"{key}.k"], tensors[f"{key}.v"] = scheduler.read_cells(seq, a, b)
             rec.cells_n, rec.chunks = seq.n_cached, [k for k, _, _ in spans]
-        elif on_disk is not None and on_disk.chunks and on_disk.token_ids == seq.token_ids:
+        elif rec.lora is None and on_disk is not None and on_disk.chunks and on_disk.token_ids == seq.token_ids:
             rec.cells_n, rec.chunks = on_disk.cells_n, list(on_disk.chunks)
             for key in rec.chunks:
                 if f"{key}.k" not in tensors:

@@ -31,11 +31,17 @@ class SequenceRecord:
     last_used: float = 0.0  # wall clock of the last change
     cells_n: int = 0  # tokens [0, cells_n) have saved cells ...
     chunks: list[str] = field(default_factory=list)  # ... in these chunk files, in position order
+    lora: tuple[str, float] | None = None  # the LoRA adapter (name, scale) it runs under; such a record has no cells
+
+    @staticmethod
+    def lora_of(seq) -> tuple[str, float] | None:
+        return (seq.lora.name, seq.lora.scale) if seq.lora is not None else None
 
     def to_json(self) -> str:
         return json.dumps({"v": VERSION, "id": self.seq_id, "token_ids": self.token_ids, "parent": self.parent,
                            "fork_at": self.fork_at, "created": self.created, "last_used": self.last_used,
-                           "cells": {"n": self.cells_n, "chunks": self.chunks}}, separators=(",", ":"))
+                           "cells": {"n": self.cells_n, "chunks": self.chunks},
+                           **({"lora": list(self.lora)} if self.lora else {})}, separators=(",", ":"))
 
     @classmethod
     def from_json(cls, text: str | bytes) -> "SequenceRecord":
@@ -61,9 +67,13 @@ class SequenceRecord:
         if not _is_int(n) or not 0 <= n < len(tokens) + 1 or not isinstance(chunks, list) \
                 or not all(isinstance(k, str) and _KEY_RE.fullmatch(k) for k in chunks):
             raise BadRecord("cells must be {n: 0..len(token_ids), chunks: [hex keys]}")
-        fork_at = doc.get("fork_at")
+        fork_at, lora = doc.get("fork_at"), doc.get("lora")
+        if lora is not None and not (isinstance(lora, list) and len(lora) == 2 and isinstance(lora[0], str)
+                                     and isinstance(lora[1], (int, float)) and not isinstance(lora[1], bool)):
+            raise BadRecord("lora must be [adapter name, scale]")
         return cls(seq_id, list(tokens), parent, fork_at if _is_int(fork_at) else None,
-                   _float(doc.get("created")), _float(doc.get("last_used")), n if chunks else 0, list(chunks))
+                   _float(doc.get("created")), _float(doc.get("last_used")), n if chunks and lora is None else 0,
+                   list(chunks) if lora is None else [], (lora[0], float(lora[1])) if lora is not None else None)
 
 
 def _is_int(x: object) -> bool:

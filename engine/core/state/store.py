@@ -79,17 +79,21 @@ class DurableStore:
         """Make `seq`'s record match it (see the module docstring); raises StorageFull after writing what it
         could (an unsaved chunk costs a recompute only; an unsaved record keeps the previous one)."""
         prev = self.records.get(seq.seq_id)
-        rec = SequenceRecord(seq.seq_id, list(seq.token_ids), seq.parent, seq.fork_at, seq.created, time.time())
-        rec.cells_n, rec.chunks = self._still_valid(rec.token_ids, prev)
+        rec = SequenceRecord(seq.seq_id, list(seq.token_ids), seq.parent, seq.fork_at, seq.created, time.time(),
+                             lora=SequenceRecord.lora_of(seq))
+        # cells are content-addressed by tokens (and the model): an adapter's K/V are kept in RAM only, never
+        # saved where a sequence under the base (or another adapter) could load them
+        rec.cells_n, rec.chunks = self._still_valid(rec.token_ids, prev) if rec.lora is None else (0, [])
         failure = None
-        if cells and seq.request is None and seq.slot is not None and seq.n_cached > rec.cells_n:
+        plain = rec.lora is None
+        if plain and cells and seq.request is None and seq.slot is not None and seq.n_cached > rec.cells_n:
             try:
                 rec.cells_n, rec.chunks = self._save_cells(seq, scheduler)
             except OSError as exc:
                 failure = exc
                 log.error("could not save the cells of sequence %s (%s); its tokens are saved, its cells will be "
                           "recomputed after a restart", seq.seq_id, exc)
-        elif rec.cells_n < len(rec.token_ids) - 1 and (spans := self.saved_prefix(rec.token_ids)) \
+        elif plain and rec.cells_n < len(rec.token_ids) - 1 and (spans := self.saved_prefix(rec.token_ids)) \
                 and spans[-1][2] > rec.cells_n:
             rec.cells_n, rec.chunks = spans[-1][2], [k for k, _, _ in spans]
         try:

@@ -123,3 +123,28 @@ def test_names_ids_unknown_adapters_and_unloading(adapters):
     drain(eng)
     assert outs[2].tokens[0] == greedy_oracle(oracles["b"], ids, 3)
     assert [i.name for i in eng.adapters.infos()] == ["a", "b"] and eng.adapters.infos()[1].id == 2
+
+
+def test_a_durable_sequence_records_its_adapter_and_never_saves_its_cells(adapters, tmp_path):
+    """With a state dir, a sequence under an adapter comes back under it (by name) after a restart, recomputed:
+    its cells are never written where a sequence of the same tokens under the base could load them."""
+    paths, oracles = adapters
+    ids = prompt(40, 9)
+    first = _engine(paths, state_dir=tmp_path)
+    seq, _ = first.create_sequence(ids, lora=LoraRef("a"))
+    drain(first)
+    base_seq, _ = first.create_sequence(ids)  # the same tokens under the base: its cells are saved
+    drain(first)
+    first.save_sequence(seq.seq_id)
+    first.save_sequence(base_seq.seq_id)
+    second = _engine(paths, state_dir=tmp_path)
+    restored = second.sequences[seq.seq_id]
+    assert restored.lora is not None and restored.lora.name == "a" and restored.n_cached == 0
+    out = Collector()
+    second.add_request("c", [], greedy(4), out, seq_id=seq.seq_id)
+    drain(second)
+    assert out.tokens[0] == greedy_oracle(oracles["a"], ids, 4)
+    out = Collector()  # the base sequence's saved cells serve the base
+    second.add_request("d", [], greedy(4), out, seq_id=base_seq.seq_id)
+    drain(second)
+    assert out.tokens[0] == greedy_oracle(oracles[None], ids, 4)

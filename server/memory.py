@@ -8,9 +8,8 @@ seconds (so it never competes with a tick), from a daemon thread that polls the 
 `poll_s`. It counts the trims and the RSS each gave back (`/metrics`: `cellserve:malloc_trims_total`,
 `cellserve:malloc_trim_released_bytes_total`). Elsewhere than glibc it does nothing.
 
-On by default, 1.5 s after the last step (`CELLSERVE_MALLOC_TRIM_IDLE_S` sets the seconds; 0 turns it off). A
-trim of the bundled model's server after a burst takes ~1-5 ms; what it returns is in docs/performance.md
-("Memory and the HTTP edge").
+On by default, 1.5 s after the last step (`CELLSERVE_MALLOC_TRIM_IDLE_S` sets the seconds; 0 turns it off). After
+a burst against the bundled model it gave back 60-85 MiB (docs/performance.md, "A burst, and what comes back").
 """
 
 import gc

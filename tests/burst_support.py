@@ -138,6 +138,8 @@ def main() -> None:  # measuring by hand: see the module docstring
     p.add_argument("--seconds", type=float, default=20)
     p.add_argument("--trim-idle", default=None, help="CELLSERVE_MALLOC_TRIM_IDLE_S for the server")
     p.add_argument("--idle", type=int, default=10)
+    p.add_argument("--warm-seconds", type=float, default=3)
+    p.add_argument("--bursts", type=int, default=1)
     a = p.parse_args()
     if a.trim_idle is not None:
         os.environ["CELLSERVE_MALLOC_TRIM_IDLE_S"] = a.trim_idle
@@ -146,10 +148,14 @@ def main() -> None:  # measuring by hand: see the module docstring
     try:
         srv.start(timeout=900)
         burst = Burst(srv.url, context=500, max_body_bytes=8 << 20, max_choices=1024)
-        asyncio.run(burst.run(3, clients=2))  # warm-up: every kind once or more
+        asyncio.run(burst.run(a.warm_seconds, clients=2))  # warm-up: every kind once or more
         time.sleep(3)
         warm = srv.rss_mb()
         print(f"warm: anon {proc_kb(srv.proc.pid, 'RssAnon') >> 10}, file {proc_kb(srv.proc.pid, 'RssFile') >> 10}")
+        for i in range(a.bursts - 1):
+            asyncio.run(burst.run(a.seconds))
+            time.sleep(4)
+            print(f"burst {i + 1}: then {srv.rss_mb():.0f} MiB")
         with RssWatch(srv.proc.pid) as watch:
             asyncio.run(burst.run(a.seconds))
         print({k: v for k, v in burst.samples.items() if k[1] != 200})

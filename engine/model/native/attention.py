@@ -66,11 +66,12 @@ class Attend:
         """One part's rows of q `[t, Hq, D]` -> `[t, Hq*D]`. int8 pools: the kernel reads them in place; the
         eager parts dequantize only the rows they read (`CellLayer.read`)."""
         mask = part.masks[window]
+        cells = part.cells[window] if isinstance(part.cells, dict) else part.cells  # `cells`: one list per window
         if part.kind == "cells" and pools.quantized:
             return torch.ops.cellserve.cell_attention_q8(q.contiguous(), pools.keys, pools.values, pools.k_scale,
-                                                         pools.v_scale, part.cells, mask, scale)
+                                                         pools.v_scale, cells, mask, scale)
         if part.kind == "cells":
-            return torch.ops.cellserve.cell_attention(q.contiguous(), pools.keys, pools.values, part.cells, mask, scale)
+            return torch.ops.cellserve.cell_attention(q.contiguous(), pools.keys, pools.values, cells, mask, scale)
         k, v = pools.read(part.cells, self.read_len, q.dtype)  # [Hkv, t*L or C, D]
         if part.kind == "sdpa":
             o = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k[None], v[None], attn_mask=mask,
@@ -137,10 +138,19 @@ def _row_cells(plan: StepPlan, seen: dict, gather: RowGather, rows):
 
 
 def _cell_part(plan: StepPlan, seen: dict, rows, device) -> _Part:
-    """The fused kernel's part: cells `[t, L]` read in place (in position order), biases `[t, L]`."""
-    gather = _shared_cells(gather_rows(plan.visible[rows], plan.key_pos), plan.seq_ids[rows])
-    idx, bias = _row_cells(plan, seen, gather, rows)
-    return _Part("cells", rows, idx.to(device), {w: b.to(device) for w, b in bias.items()})
+    """The fused kernel's part: cells `[t, L]` read in place (in position order), biases `[t, L]`. With sliding
+    windows (Gemma 3's local layers, Qwen2's), each window gets its own cells, the ones its rows can see: a local
+    layer reads its window, not the whole context (`cells` then a dict by window, as `masks` is)."""
+    if len(seen) == 1:
+        gather = _shared_cells(gather_rows(plan.visible[rows], plan.key_pos), plan.seq_ids[rows])
+        idx, bias = _row_cells(plan, seen, gather, rows)
+        return _Part("cells", rows, idx.to(device), {w: b.to(device) for w, b in bias.items()})
+    cells, masks = {}, {}
+    for w, visible in seen.items():
+        gather = _shared_cells(gather_rows(visible[rows], plan.key_pos), plan.seq_ids[rows])
+        idx, bias = _row_cells(plan, {w: visible}, gather, rows)
+        cells[w], masks[w] = idx.to(device), bias[w].to(device)
+    return _Part("cells", rows, cells, masks)
 
 
 def _shared_cells(gather: RowGather, seq_ids: torch.Tensor) -> RowGather:

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from gguf import quants
-from tiny_gguf import tiny_gemma3, tiny_qwen3, write_llama_gguf
+from tiny_gguf import q4_k_m, tiny_gemma3, tiny_qwen3, write_llama_gguf
 from tiny_models import full_logits
 
 from engine.loader.source import resolve_model
@@ -64,15 +64,16 @@ def dequantized_oracle(model, path):
     return model
 
 
-@pytest.fixture(scope="module", params=[("qwen3", "q8_0"), ("qwen3", "q4_0"), ("gemma3", "q4_1")],
+@pytest.fixture(scope="module", params=[("qwen3", "q8_0"), ("qwen3", "q4_0"), ("qwen3", "q4_k_m"), ("gemma3", "q4_1")],
                 ids=lambda p: "-".join(p))
 def served(request, tmp_path_factory):
     family, kind = request.param
     d = tmp_path_factory.mktemp(family)
-    qtype = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1}[kind]
-    path = write_llama_gguf(d / "tiny.gguf", BUILD[family](seed=1), qtype, Q.Q8_0)
+    big = {"big": True} if kind == "q4_k_m" else {}  # K-quants: whole 256-weight super-blocks
+    qtype = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q4_k_m": lambda name: q4_k_m(name, 2)}[kind]
+    path = write_llama_gguf(d / "tiny.gguf", BUILD[family](seed=1, **big), qtype, Q.Q8_0)
     folder = resolve_model(str(path), "quantized", home=d / "home", progress=False).path
-    oracle = dequantized_oracle(BUILD[family](seed=2), path)  # other random weights, replaced by the file's
+    oracle = dequantized_oracle(BUILD[family](seed=2, **big), path)  # other random weights, replaced by the file's
     return family, kind, folder, oracle
 
 
@@ -84,12 +85,13 @@ def test_the_config_is_the_files(served):
     family, _, folder, _ = served
     runner = ModelRunner.from_pretrained(folder, n_cells=64)
     cfg = runner.config
-    assert cfg.head_dim == 32 != cfg.hidden_size // cfg.num_attention_heads
+    assert cfg.head_dim in (32, 128) and cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads
     if family == "gemma3":
         assert cfg.layer_types == ["sliding_attention", "full_attention"] and cfg.sliding_window == 4
         assert cfg.final_logit_softcapping == 30.0 and cfg.query_pre_attn_scalar == 32
         assert [layer.window for layer in runner.native.layers] == [4, None]
-    assert all(isinstance(lin, QuantLinear) for layer in runner.native.layers for lin in layer.linears())
+    for lin in (lin for layer in runner.native.layers for lin in layer.linears()):  # Q4_K_M: Q|K q4_k, V q6_k
+        assert all(isinstance(p, QuantLinear) for p in getattr(lin, "parts", [lin]))
     assert runner.native.layers[0].q_norm is not None
     # the file's own GPT-2 BPE tokenizer (engine/loader/gguf_tokenizer.py), whatever the architecture: text as text
     text = "Nutritional facts, 42 grams"
@@ -139,6 +141,6 @@ def test_a_file_dequantized_to_float32_keeps_the_files_config(served, tmp_path):
     src = json.loads((folder / "cellserve.json").read_text())["gguf"]
     floats = resolve_model(src, "float32", home=tmp_path, progress=False).path
     runner = ModelRunner.from_pretrained(floats, dtype="float32", n_cells=64)
-    assert runner.native is not None and runner.config.head_dim == 32
+    assert runner.native is not None and runner.config.head_dim in (32, 128)
     ids = _prompt(12, 4)
     torch.testing.assert_close(runner.run({0: (ids, 0)})[0], full_logits(oracle, ids)[-1], atol=1e-4, rtol=0)

@@ -51,14 +51,15 @@ def q4_k_m(name: str, n_layers: int):
     return Q.Q4_K
 
 
-def tiny_qwen3(seed: int = 0, tied: bool = True):
+def tiny_qwen3(seed: int = 0, tied: bool = True, big: bool = False):
     """hidden 64, 4 heads of 32 (a head size that is not hidden / heads: the file must say it), MLP 160, 2 layers;
-    norms (q_norm and k_norm too) away from 1."""
+    norms (q_norm and k_norm too) away from 1. `big`: hidden 256, heads of 128, MLP 512 (whole K-quant blocks)."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+    hidden, head_dim, mlp = (256, 128, 512) if big else (64, 32, 160)
+    cfg = Qwen3Config(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=256,
                       rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": 1000000.0},
                       tie_word_embeddings=tied, bos_token_id=1, eos_token_id=2)
     return _norms_away(Qwen3ForCausalLM(cfg).eval(), 0.5, 1.5)

@@ -139,3 +139,27 @@ def test_linear_small_rows_match_packed():
     torch.testing.assert_close(small(three), ref(three), atol=1e-5, rtol=1e-5)
     other = torch.randn(1, 40)
     torch.testing.assert_close(small.plus(one, other), ref.plus(one, other), atol=1e-5, rtol=1e-5)
+
+
+def test_a_local_layer_reads_only_its_windows_cells(monkeypatch):
+    """Gemma 3's local layers (window 4) read only the cells inside their window, the global layer every visible
+    cell, in one step (the kernel's `cells` part, one list per window), and the logits stay the oracle's."""
+    model = tiny_model("gemma3")
+    runner = ModelRunner(model, n_cells=256)
+    assert runner.native.fused, kernels.why_not()
+    parts = []
+    orig = Attend.__init__
+
+    def spy(self, *args, **kwargs):
+        orig(self, *args, **kwargs)
+        parts.append(self.parts)
+
+    monkeypatch.setattr(Attend, "__init__", spy)
+    hist = {0: _prompt(30, 1), 1: _prompt(12, 2)}
+    out = runner.run({s: (h, 0) for s, h in hist.items()})
+    nxt = {s: int(out[s].argmax()) for s in hist}
+    out = runner.run({s: ([nxt[s]], len(h)) for s, h in hist.items()})
+    cells = parts[-1][0].cells
+    assert set(cells) == {4, None} and cells[4].shape[1] == 4 and cells[None].shape[1] == 31
+    for s, h in hist.items():
+        torch.testing.assert_close(out[s], full_logits(model, [*h, nxt[s]])[-1], atol=ATOL, rtol=0)

@@ -127,7 +127,9 @@ void qk_norm(at::Tensor qkv, const at::Tensor& q_weight, const at::Tensor& k_wei
     const T* qw = q_weight.data_ptr<T>();
     const T* kw = k_weight.data_ptr<T>();
     const float e = static_cast<float>(eps);
-    at::parallel_for(0, tokens * heads, 16, [&](int64_t begin, int64_t end) {
+    // a decode row's heads are a few thousand values: threads only for prefill-sized work (a parallel region
+    // costs more than the whole norm at one row)
+    at::parallel_for(0, tokens * heads, std::max<int64_t>(16, 65536 / dim), [&](int64_t begin, int64_t end) {
       for (int64_t r = begin; r < end; ++r) {
         const int64_t h = r % heads;
         T* x = base + (r / heads) * width + h * dim;

@@ -182,10 +182,11 @@ class SpeculativeDecoder:
 
     def _followed(self, seq: Sequence) -> list[tuple[list[int], int]]:
         """Texts the sequence may follow token for token, each with the position of seq.token_ids where
-        it starts: the request's prediction (at the output's start), a fork's parent (past the fork)."""
+        it starts: the request's prediction (at the output's start), a fork's parent (past the fork) when it runs
+        under the same LoRA adapter (another adapter's text predicts this one's poorly)."""
         texts = [(seq.params.prediction_ids, seq.gen_start)] if seq.params.prediction_ids else []
         parent = self.persistent(seq.parent) if seq.parent is not None and seq.fork_at is not None else None
-        if parent is not None and len(parent.token_ids) > seq.fork_at:
+        if parent is not None and len(parent.token_ids) > seq.fork_at and _adapter(parent) == _adapter(seq):
             texts.append((parent.token_ids[seq.fork_at :], seq.fork_at))
         return texts
 
@@ -316,3 +317,8 @@ class SpeculativeDecoder:
         if out.logprobs:
             prev.logprobs = [*(prev.logprobs or []), *out.logprobs]
         prev.finish_reason, prev.stop_reason = out.finish_reason, out.stop_reason
+
+
+def _adapter(seq: Sequence) -> str | None:
+    """The name of the LoRA adapter `seq` runs under (None: the base)."""
+    return seq.lora.name if seq.lora is not None else None

@@ -50,13 +50,14 @@ class AdapterWeights:
         return sum(a.nbytes + b.nbytes for mods in self.layers.values() for a, b, _ in mods.values())
 
 
-def read_adapter(path: str | Path) -> AdapterWeights:
-    """An adapter from a PEFT folder or a llama.cpp LoRA `.gguf` file; AdapterError naming what is missing."""
+def read_adapter(path: str | Path, heads: tuple[int, int] | None = None) -> AdapterWeights:
+    """An adapter from a PEFT folder or a llama.cpp LoRA `.gguf` file; AdapterError naming what is missing.
+    `heads`: the base model's (query, kv) head counts (a llama GGUF adapter's Q/K rows are put back with them)."""
     p = Path(path).expanduser()
     if p.is_file() and p.suffix == ".gguf":
         from engine.loader.adapter_gguf import read_gguf_adapter
 
-        return read_gguf_adapter(p)
+        return read_gguf_adapter(p, heads)
     return read_peft_folder(p)
 
 

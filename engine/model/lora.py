@@ -41,6 +41,7 @@ class Dims:
     shapes: dict  # projection -> (in_features, out_features)
     n_layers: int
     dense_mlp: tuple[bool, ...]  # per layer: a dense MLP (MLP targets allowed)
+    heads: tuple[int, int] = (0, 0)  # (query heads, kv heads)
 
     @staticmethod
     def of(config, native) -> "Dims":
@@ -51,7 +52,8 @@ class Dims:
         h, i = cfg.hidden_size, getattr(cfg, "intermediate_size", 0)
         shapes = {"q_proj": (h, q), "k_proj": (h, kv), "v_proj": (h, kv), "o_proj": (q, h),
                   "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-        return Dims(shapes, len(native.layers), tuple(isinstance(layer.mlp, DenseMLP) for layer in native.layers))
+        return Dims(shapes, len(native.layers), tuple(isinstance(layer.mlp, DenseMLP) for layer in native.layers),
+                    (heads, kv // head_dim))
 
 
 @dataclass
@@ -209,7 +211,7 @@ class LoraRegistry:
     def load(self, name: str, path: str, busy: frozenset[int] = frozenset()) -> tuple[Adapter, list[Adapter]]:
         """Read and hold the adapter at `path` as `name` (replacing a loaded one of that name unless busy);
         returns it and the adapters unloaded to make room. `busy`: uids requests run under (never unloaded)."""
-        weights = read_adapter(path)
+        weights = read_adapter(path, self.dims.heads)
         adapter = Adapter(next(self._uids), name, weights, self.dims, self.dtype)
         old = self.adapters.get(name)
         if old is not None and old.uid in busy:

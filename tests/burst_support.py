@@ -112,14 +112,17 @@ class Burst:
         await self._post(c, "malformed", "/v1/completions", content=body,
                          headers={"content-type": "application/json"})
 
-    async def run(self, seconds: float, clients: int = 8) -> None:
+    async def run(self, seconds: float, clients: int = 8, requests: int | None = None) -> None:
+        """Send for `seconds`, or until `requests` were sent (the same load on a fast and a slow machine)."""
         kinds = [self.huge_prompt, self.huge_body, self.n_bomb, self.prompt_logprobs, self.dropped_stream,
                  self.malformed]
         until = time.monotonic() + seconds
+        left = [requests if requests is not None else 1 << 62]
 
         async def client(i: int) -> None:
             async with httpx.AsyncClient(timeout=120) as c:
-                while time.monotonic() < until:
+                while time.monotonic() < until and left[0] > 0:
+                    left[0] -= 1
                     await kinds[(i + self.rng.randrange(len(kinds))) % len(kinds)](c)
 
         await asyncio.gather(*(client(i) for i in range(clients)))

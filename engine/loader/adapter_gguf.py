@@ -14,10 +14,17 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.loader.adapters import AdapterError, AdapterWeights
+from engine.loader.adapters import AdapterError, AdapterWeights, read_peft_folder
 
 NAMES = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
          "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
+
+
+def read_adapter(path: str | Path, heads: tuple[int, int] | None = None) -> AdapterWeights:
+    """An adapter from a PEFT folder or a llama.cpp LoRA `.gguf` file; AdapterError naming what is missing.
+    `heads`: the base model's (query, kv) head counts (a llama GGUF adapter's Q/K rows are put back with them)."""
+    p = Path(path).expanduser()
+    return read_gguf_adapter(p, heads) if p.is_file() and p.suffix == ".gguf" else read_peft_folder(p)
 
 
 def read_gguf_adapter(path: Path, heads: tuple[int, int] | None = None) -> AdapterWeights:

@@ -1,6 +1,8 @@
-"""LoRA adapters from the files people have: a PEFT folder (and llama.cpp's LoRA GGUF, engine/loader/adapter_gguf.py).
+"""LoRA adapters from the files people have: a PEFT folder (here) and llama.cpp's LoRA GGUF
+(engine/loader/adapter_gguf.py), both read into `AdapterWeights`; `read_adapter` (in adapter_gguf.py)
+picks the reader by the path.
 
-A PEFT folder holds `adapter_config.json` (r, lora_alpha, target_modules, use_rslora, ...) and
+A PEFT folder (`read_peft_folder`) holds `adapter_config.json` (r, lora_alpha, target_modules, use_rslora, ...) and
 `adapter_model.safetensors` (`...layers.{i}.self_attn.q_proj.lora_A.weight` `[r, in]` and `lora_B.weight`
 `[out, r]` per targeted linear). `read_peft_folder` returns them as `AdapterWeights`: per layer, per
 projection, (A, B, scale) with PEFT's scale, `lora_alpha / r` (or `lora_alpha / sqrt(r)` with `use_rslora`).
@@ -48,17 +50,6 @@ class AdapterWeights:
     @property
     def nbytes(self) -> int:
         return sum(a.nbytes + b.nbytes for mods in self.layers.values() for a, b, _ in mods.values())
-
-
-def read_adapter(path: str | Path, heads: tuple[int, int] | None = None) -> AdapterWeights:
-    """An adapter from a PEFT folder or a llama.cpp LoRA `.gguf` file; AdapterError naming what is missing.
-    `heads`: the base model's (query, kv) head counts (a llama GGUF adapter's Q/K rows are put back with them)."""
-    p = Path(path).expanduser()
-    if p.is_file() and p.suffix == ".gguf":
-        from engine.loader.adapter_gguf import read_gguf_adapter
-
-        return read_gguf_adapter(p, heads)
-    return read_peft_folder(p)
 
 
 def read_peft_folder(path: str | Path) -> AdapterWeights:

@@ -27,7 +27,8 @@ import torch
 import torch.nn.functional as F
 
 from engine.api.lora import AdapterInfo, AdapterMemoryFull, AdapterNotFound, LoraBinding
-from engine.loader.adapters import AdapterError, AdapterWeights, read_adapter
+from engine.loader.adapter_gguf import read_adapter
+from engine.loader.adapters import AdapterError, AdapterWeights
 from engine.model.native.layer import DenseMLP
 
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),

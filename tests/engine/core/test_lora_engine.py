@@ -148,3 +148,20 @@ def test_a_durable_sequence_records_its_adapter_and_never_saves_its_cells(adapte
     second.add_request("d", [], greedy(4), out, seq_id=base_seq.seq_id)
     drain(second)
     assert out.tokens[0] == greedy_oracle(oracles[None], ids, 4)
+
+
+def test_preempted_adapter_requests_resume_under_their_adapter(adapters):
+    """A pool too small for all of them: requests are preempted (cells dropped) and re-prefill under their own
+    adapter, each ending with its own model's tokens."""
+    paths, oracles = adapters
+    eng = _engine(paths, n_cells=64)
+    names = ["a", None, "b", "a"]
+    prompts = [prompt(20, 20 + i) for i in range(len(names))]
+    outs = []
+    for i, (name, ids) in enumerate(zip(names, prompts)):
+        outs.append(Collector())
+        eng.add_request(f"q{i}", ids, greedy(12, lora=_ref(name)), outs[-1])
+    drain(eng)
+    assert eng.scheduler.preemptions > 0
+    for name, ids, out in zip(names, prompts, outs):
+        assert out.tokens[0] == greedy_oracle(oracles[name], ids, 12), name

@@ -6,6 +6,7 @@ float parts."""
 import pytest
 import torch
 import torch.nn.functional as F
+from cpu_features import require_amx
 from gguf import GGMLQuantizationType, quants
 from tiny_models import full_logits
 from transformers import AutoModelForCausalLM
@@ -13,7 +14,7 @@ from transformers import AutoModelForCausalLM
 from engine.core.state.identity import identity_of
 from engine.loader.gguf_tensors import pack_blocks
 from engine.model.kernels import build as kernels
-from engine.model.native.linear import Linear, amx_available, expected_panels, panel_rows, small_swiglu
+from engine.model.native.linear import Linear, expected_panels, panel_rows, small_swiglu
 from engine.model.native.quant import CastLinear, GroupLinear, QuantLinear, linear_of
 from engine.model.native.rows import INVARIANT_ROWS
 from engine.model.runner import ModelRunner
@@ -147,8 +148,7 @@ def test_amx_rows_are_each_what_they_are_alone(shape):
     """bf16 on AMX: every row of a 1-16-row call (none, add, swiglu, with a bias) is bitwise the row computed
     alone, and bitwise what oneDNN's packed linear gives at any row count (so a drafted row rounds as a decode
     row, and as a prefill row would); close to F.linear in fp32."""
-    if not amx_available():
-        pytest.skip("this CPU or build has no AMX (amx_linear_fast() is False)")
+    require_amx("bf16 rows on amx_linear")
     torch.manual_seed(0)
     n, k = shape
     parts = [(torch.randn(n, k) * 0.1).bfloat16() for _ in range(2)]

@@ -6,11 +6,11 @@ speculative drafts token for token the output without them in bf16 (tests/engine
 
 import pytest
 import torch
+from cpu_features import require_amx
 from tiny_models import tiny_model
 
 from engine.model.flat_step import flatten_step
 from engine.model.kernels import build as kernels
-from engine.model.native.linear import amx_available
 from engine.model.runner import ModelRunner
 
 
@@ -40,8 +40,7 @@ def assert_drafted_rows_match_decode(make_runner, prompt) -> None:
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("name", ["llama_gqa", "qwen3", "gemma3"])
 def test_a_chunk_of_drafted_rows_gives_the_decode_rows_logits(name, kv_cache_dtype):
-    if not amx_available():
-        pytest.skip("bf16 row invariance needs AMX (amx_linear_fast() is False)")
+    require_amx("bf16 row invariance needs AMX")
     assert kernels.load(), kernels.why_not()
     model = tiny_model(name).to(torch.bfloat16)
     assert_drafted_rows_match_decode(lambda: ModelRunner(model, n_cells=256, kv_cache_dtype=kv_cache_dtype), _prompt)

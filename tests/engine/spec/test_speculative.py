@@ -7,6 +7,7 @@ nothing may leak. The whole engine suite also runs with `CELLSERVE_SPECULATIVE=n
 
 import pytest
 import torch
+from cpu_features import require_amx
 from engine_support import (
     Collector,
     check_cells_match_sequences,
@@ -22,7 +23,6 @@ from engine_support import (
 from tiny_models import tiny_model
 
 from engine.api.sampling_params import SamplingParams
-from engine.model.native.linear import amx_available
 from engine.spec.lookup import lookup_draft
 
 REPEATING = prompt(7, 1) * 5  # a history whose continuation prompt lookup can guess
@@ -57,8 +57,7 @@ def test_bf16_greedy_output_is_the_same_with_and_without_drafts():
     """bf16 rounds coarsely: a drafted row that rounded differently from the one-row decode step would flip
     near-tied tokens of a random tiny model within a few dozen steps. Rows of a step up to INVARIANT_ROWS are
     computed as lone rows (engine/model/native/rows.py: needs AMX for bf16), so the outputs match."""
-    if not amx_available():
-        pytest.skip("bf16 row invariance needs AMX (amx_linear_fast() is False)")
+    require_amx("bf16 row invariance needs AMX")
     prompts = [REPEATING, prompt(5, 3) * 4, prompt(3, 4) * 6]
     outs = []
     for spec in (None, "ngram"):

@@ -2,8 +2,8 @@
 
 `python -m engine.bench.lora MODEL_FOLDER [--dtype bfloat16] [--rank 16] [--tokens 64]`: makes 4 random PEFT
 folders (rank `--rank` on q,k,v,o,gate,up,down; written with safetensors, no PEFT needed), loads them, then runs
-rounds of 8 greedy requests (same prompts, `--tokens` each, EOS ignored): on the base, then 2 per adapter,
-alternating (a drifting machine slows both kinds alike). Prints each round's decode tok/s and the ratio of the
+rounds of 8 greedy requests (same prompts, `--tokens` each, EOS ignored): on the base, then 2 per adapter
+(stacked, then one pass per adapter: `LoraRegistry.stacking`), alternating (a drifting machine slows both kinds alike). Prints each round's decode tok/s and the ratio of the
 medians. Speculative decoding is off, so every step carries exactly one row per sequence.
 """
 
@@ -78,18 +78,22 @@ def main() -> None:
         engine.adapters.load(f"a{k}", write_adapter(tmp / f"a{k}", engine.runner.config, args.rank, k))
     vocab = engine.vocab_size
     prompts = [[(7919 * (j + 1) * (t + 3)) % (vocab - 10) + 5 for t in range(48)] for j in range(8)]
-    kinds = {"base": [None] * 8, "4 adapters": [f"a{j % 4}" for j in range(8)]}
-    one_round(engine, prompts, kinds["base"], 8)  # warm-up
-    one_round(engine, prompts, kinds["4 adapters"], 8)
+    spread = [f"a{j % 4}" for j in range(8)]
+    kinds = {"base": ([None] * 8, True), "4 adapters": (spread, True), "per adapter": (spread, False)}
+    for names, stacking in kinds.values():  # warm-up
+        engine.runner.loras.stacking = stacking
+        one_round(engine, prompts, names, 8)
     results = {k: [] for k in kinds}
     for _ in range(args.rounds):
-        for kind, names in kinds.items():
+        for kind, (names, stacking) in kinds.items():
+            engine.runner.loras.stacking = stacking
             results[kind].append(one_round(engine, prompts, names, args.tokens))
     for kind, values in results.items():
         print(f"{kind:>11}: decode tok/s {', '.join(f'{v:.1f}' for v in values)} (median {statistics.median(values):.1f})")
-    ratio = statistics.median(results["4 adapters"]) / statistics.median(results["base"])
+    base = statistics.median(results["base"])
+    ratio, per = statistics.median(results["4 adapters"]) / base, statistics.median(results["per adapter"]) / base
     adapter_bytes = sum(i.nbytes for i in engine.adapters.infos())
-    print(f"ratio (4 adapters / base): {ratio:.2f}; 4 adapters hold {adapter_bytes / 2**20:.1f} MiB "
+    print(f"ratio to base: 4 adapters {ratio:.2f} (one pass per adapter: {per:.2f}); 4 adapters hold {adapter_bytes / 2**20:.1f} MiB "
           f"(rank {args.rank}, all linears, {args.dtype})")
 
 

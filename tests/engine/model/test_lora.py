@@ -35,9 +35,10 @@ def _step(runner, chunks: dict, bindings: list):
     return dict(zip(chunks, runner.forward(step)))
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["kernels", "eager"])
+@pytest.mark.parametrize("fused,stacking", [(True, True), (False, True), (True, False)],
+                         ids=["kernels", "eager", "one-pass-per-adapter"])
 @pytest.mark.parametrize("name", ["llama_gqa", "qwen2"])
-def test_base_and_two_adapters_in_one_step_match_peft(name, fused, tmp_path):
+def test_base_and_two_adapters_in_one_step_match_peft(name, fused, stacking, tmp_path):
     """r 8 on q,k,v,o and the MLP, r 16 (rsLoRA) on attention only: one step holds base rows and both
     adapters' rows (prefills, then decodes), each row's logits its own model's."""
     base = tiny_model(name)
@@ -45,6 +46,7 @@ def test_base_and_two_adapters_in_one_step_match_peft(name, fused, tmp_path):
     p16, m16 = peft_adapter(base, tmp_path / "r16", r=16, alpha=8, targets=ATTN, seed=2, rslora=True)
     runner = ModelRunner(tiny_model(name), n_cells=512)
     runner.native.fused = fused
+    runner.loras.stacking = stacking
     a8, _ = runner.loras.load("r8", p8)
     a16, _ = runner.loras.load("r16", p16)
     b8, b16 = LoraBinding(a8.uid, "r8"), LoraBinding(a16.uid, "r16")

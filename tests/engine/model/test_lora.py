@@ -63,6 +63,20 @@ def test_base_and_two_adapters_in_one_step_match_peft(name, fused, stacking, tmp
             hist[s].append(nxt[s])
 
 
+@pytest.mark.parametrize("name", ["qwen3", "gemma3"])
+def test_qwen3_and_gemma3_adapter_rows_match_peft(name, tmp_path):
+    """The update lands before Qwen3's / Gemma 3's q/k norms, before Gemma's GeGLU and its post-attention and
+    post-MLP norms: the same as PEFT's."""
+    base = tiny_model(name)
+    path, merged = peft_adapter(base, tmp_path / "a", r=8, targets=ALL)
+    runner = ModelRunner(tiny_model(name), n_cells=256)
+    a, _ = runner.loras.load("a", path)
+    ids = _ids(11, 6)
+    out = _step(runner, {0: (ids, 0), 1: (ids, 0)}, [LoraBinding(a.uid, "a"), None])
+    torch.testing.assert_close(out[0], full_logits(merged, ids)[-1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(out[1], full_logits(base, ids)[-1], atol=ATOL, rtol=0)
+
+
 def test_an_adapter_changes_its_rows_only_and_a_scale_scales_it(tmp_path):
     """A base-only step runs no hook; an adapter's rows differ from the base's; llama.cpp's scale 0 is the
     base and scale 2 is the PEFT model of twice the alpha."""

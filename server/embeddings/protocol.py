@@ -11,7 +11,9 @@ MAX_DOCUMENTS = 1024
 
 
 class EmbeddingRequest(StrictModel):
-    """`input`: a string, a list of strings, a list of token ids, or a list of token-id lists."""
+    """`input`: OpenAI's forms (a string, a list of strings, a list of token ids, a list of token-id lists) and
+    llama.cpp's (a list mixing token ids and strings is one input; `{"prompt_string": text}` and
+    `{"content": [{"type": "text", "text": ...}]}` entries)."""
 
     model: str | None = None
     input: Any
@@ -21,27 +23,44 @@ class EmbeddingRequest(StrictModel):
 
     @field_validator("input")
     @classmethod
-    def _inputs(cls, value: Any) -> list[str | list[int]]:
+    def _inputs(cls, value: Any) -> list[str | list[int | str]]:
         return normalize_inputs(value)
 
 
-def normalize_inputs(value: Any) -> list[str | list[int]]:
-    """OpenAI's four input forms as a list of texts or token-id lists."""
-    if isinstance(value, str):
-        return [value]
-    if isinstance(value, list) and value:
-        if all(isinstance(v, str) for v in value):
-            return list(value)
-        if all(_is_id(v) for v in value):
-            return [list(value)]
-        if all(isinstance(v, list) and v and all(_is_id(t) for t in v) for v in value):
-            return [list(v) for v in value]
-    raise ValueError("input must be a string, a list of strings, a list of token ids or a list of token-id lists, "
-                     "none of them empty")
+INPUT_FORMS = ("input must be a string, a list of strings, a list of token ids, a list of token-id lists (or llama.cpp's "
+               "mixed lists and {prompt_string} / {content} objects), none of them empty")
+
+
+def normalize_inputs(value: Any) -> list[str | list[int | str]]:
+    """Every input form as a list of inputs, each a text or a list of token ids and texts."""
+    if isinstance(value, (str, dict)):
+        return [_one(value)]
+    if not isinstance(value, list) or not value:
+        raise ValueError(INPUT_FORMS)
+    if all(_is_id(v) or isinstance(v, str) for v in value) and any(_is_id(v) for v in value):
+        return [list(value)]  # token ids, or llama.cpp's mix of ids and texts: one input
+    return [_one(v) for v in value]
 
 
 def _is_id(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _one(item: Any) -> str | list[int | str]:
+    if isinstance(item, dict):  # llama.cpp's objects: {"prompt_string": text} or {"content": [text parts]}
+        parts = item.get("content")
+        if isinstance(item.get("prompt_string"), str):
+            item = item["prompt_string"]
+        elif isinstance(parts, list) and parts and all(isinstance(p, dict) and p.get("type") == "text"
+                                                      and isinstance(p.get("text"), str) for p in parts):
+            item = "".join(p["text"] for p in parts)
+        else:
+            raise ValueError(INPUT_FORMS)
+    if isinstance(item, str):
+        return item
+    if isinstance(item, list) and item and all(_is_id(t) or isinstance(t, str) for t in item):
+        return list(item)
+    raise ValueError(INPUT_FORMS)
 
 
 class RerankRequest(StrictModel):

@@ -23,7 +23,7 @@ router = APIRouter()
 DEFAULT_POOLING = "last"
 
 
-async def _vectors(request: Request, texts: list[str | list[int]], param: str) -> tuple[list[list[float]], int]:
+async def _vectors(request: Request, texts: list[str | list[int | str]], param: str) -> tuple[list[list[float]], int]:
     """The unit vectors of `texts` (texts or token ids) and how many tokens they took."""
     ctx = ServerContext.of(request)
     engine = ctx.require_engine()
@@ -33,10 +33,13 @@ async def _vectors(request: Request, texts: list[str | list[int]], param: str) -
     for item in texts:
         if isinstance(item, str):
             prompts.append(await ctx.tokens.encode(item, param=param))
-        elif any(t >= vocab for t in item):
-            raise APIError(400, f"token id {max(item)} is outside the vocabulary (size {vocab})", param=param)
-        else:
-            prompts.append(item)
+            continue
+        ids: list[int] = []
+        for part in item:  # token ids, texts among them tokenized without special tokens
+            ids += await ctx.tokens.encode(part, add_special_tokens=False, param=param) if isinstance(part, str) else [part]
+        if any(t >= vocab for t in ids):
+            raise APIError(400, f"token id {max(ids)} is outside the vocabulary (size {vocab})", param=param)
+        prompts.append(ids)
     pooling = getattr(request.app.state, "pooling", None) or DEFAULT_POOLING
     vectors = await await_or_disconnect(request, engine.embed(prompts, pooling), lambda: None)  # ClientGone
     return vectors, sum(len(p) for p in prompts)

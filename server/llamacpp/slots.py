@@ -45,13 +45,14 @@ class Slots:
 
     async def prepare(self, engine, id_slot: int, prompt: list[int], reuse: bool) -> tuple[str, list[int], int]:
         """Make slot `id_slot`'s sequence hold the longest prefix of `prompt` it can keep (`reuse`: llama.cpp's
-        cache_prompt) and return (sequence id, the prompt tokens still to append, tokens kept)."""
+        cache_prompt) and return (sequence id, the prompt tokens still to append, prompt tokens whose cells are
+        kept: the last kept token is computed again, as llama-server re-evaluates one token of a repeated prompt)."""
         info = await self.info(engine, id_slot)
         common = _common_prefix(info.token_ids, prompt) if info is not None and reuse else 0
         if common:
             if common < info.length:
-                await engine.truncate(info.seq_id, common)
-            return info.seq_id, prompt[common:], common
+                info = await engine.truncate(info.seq_id, common)
+            return info.seq_id, prompt[common:], min(info.n_cached, common, len(prompt) - 1)
         if info is not None:
             await engine.delete(info.seq_id)
             self.seqs.pop(id_slot, None)

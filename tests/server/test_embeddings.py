@@ -60,10 +60,17 @@ def test_every_input_form_and_the_refusals(srv, oracle):
         assert len(one["data"]) == 1 and close(one["data"][0]["embedding"], oracle(ids[0]))
         many = c.post("/v1/embeddings", json={"input": ids}).json()
         assert [close(d["embedding"], oracle(i)) for d, i in zip(many["data"], ids)] == [True, True]
+        tail = oracle.tok.encode(" houses", add_special_tokens=False)
+        mixed = c.post("/v1/embeddings", json={"input": [*ids[1][:3], " houses"]}).json()["data"]  # llama.cpp's mix
+        assert len(mixed) == 1 and close(mixed[0]["embedding"], oracle([*ids[1][:3], *tail]))
+        parts = c.post("/v1/embeddings", json={"input": [{"content": [{"type": "text", "text": TEXTS[0]}]},
+                                                          {"prompt_string": TEXTS[1]}]}).json()["data"]
+        assert close(parts[0]["embedding"], oracle(TEXTS[0])) and close(parts[1]["embedding"], oracle(TEXTS[1]))
         size = len(one["data"][0]["embedding"])
         assert c.post("/v1/embeddings", json={"input": "x", "dimensions": size}).status_code == 200
         for body, param in (({"input": "x", "dimensions": 8}, "dimensions"), ({"input": []}, "input"),
                             ({"input": [[]]}, "input"), ({"input": [10**6]}, "input"), ({"input": 5}, "input"),
+                            ({"input": [{"content": [{"type": "image"}]}]}, "input"), ({"input": {"content": "x"}}, "input"),
                             ({"input": "x", "encoding_format": "int8"}, "encoding_format")):
             r = c.post("/v1/embeddings", json=body)
             assert r.status_code == 400 and param in r.json()["error"]["param"], (body, r.text)

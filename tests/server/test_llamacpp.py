@@ -101,7 +101,8 @@ def test_slots_reuse_cells_and_save_restore_erase(srv, greedy):
         first = c.post("/completion", json={**body, "id_slot": 3}).json()
         again = c.post("/completion", json={**body, "id_slot": 3}).json()
         assert first["content"] == again["content"] == want and again["id_slot"] == 3
-        assert again["tokens_cached"] == again["tokens_evaluated"] > first["tokens_cached"]
+        assert again["tokens_cached"] == again["tokens_evaluated"] - 1 > first["tokens_cached"]  # llama-server's too
+        assert again["timings"]["prompt_n"] == 1
         fresh = c.post("/completion", json={**body, "id_slot": 3, "cache_prompt": False}).json()
         assert fresh["content"] == want and fresh["tokens_cached"] == 0
         saved = c.post("/slots/3?action=save", json={"filename": "three.bin"}).json()
@@ -114,7 +115,7 @@ def test_slots_reuse_cells_and_save_restore_erase(srv, greedy):
         assert restored["n_restored"] == saved["n_saved"]
         assert c.get("/slots").json()[0]["n_past"] == saved["n_saved"]
         back = c.post("/completion", json={**body, "id_slot": 0}).json()
-        assert back["content"] == want and back["tokens_cached"] == back["tokens_evaluated"]
+        assert back["content"] == want and back["tokens_cached"] == back["tokens_evaluated"] - 1
         for path, payload, status in (("/slots/0?action=restore", {"filename": "missing.bin"}, 404),
                                       ("/slots/0?action=save", {"filename": "../x"}, 400),
                                       ("/slots/0?action=fly", {"filename": "a"}, 400),

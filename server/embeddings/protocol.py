@@ -5,7 +5,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from server.schema import StrictModel
+from server.schema import ParamError, StrictModel
 
 MAX_DOCUMENTS = 1024
 
@@ -64,11 +64,15 @@ def _one(item: Any) -> str | list[int | str]:
 
 
 class RerankRequest(StrictModel):
+    """Cohere's/Jina's `documents`, or Hugging Face TEI's `texts` (then the answer is TEI's bare list)."""
+
     model: str | None = None
     query: str = Field(min_length=1)
-    documents: list[str | dict[str, Any]] = Field(min_length=1, max_length=MAX_DOCUMENTS)
+    documents: list[str | dict[str, Any]] | None = Field(None, min_length=1, max_length=MAX_DOCUMENTS)
+    texts: list[str] | None = Field(None, min_length=1, max_length=MAX_DOCUMENTS)
     top_n: int | None = Field(None, ge=1)
     return_documents: bool = True
+    return_text: bool = False  # TEI's
 
     @field_validator("documents")
     @classmethod
@@ -80,6 +84,15 @@ class RerankRequest(StrictModel):
                 raise ValueError("each document is a non-empty string or {\"text\": \"...\"}")
             out.append(text)
         return out
+
+    @model_validator(mode="after")
+    def _one_list(self):
+        if (self.documents is None) == (self.texts is None):
+            raise ParamError("documents", "give documents (Cohere, Jina) or texts (TEI), one of them")
+        return self
+
+    def docs(self) -> list[str]:
+        return self.documents if self.documents is not None else self.texts
 
 
 class ScoreRequest(StrictModel):

@@ -77,20 +77,23 @@ def _cosine(a: list[float], b: list[float]) -> float:
 
 
 @router.post("/v1/rerank", response_model=None)
-async def rerank(body: RerankRequest, request: Request) -> dict | Response:
+async def rerank(body: RerankRequest, request: Request) -> dict | list | Response:
     try:
         return await _rerank(body, request)
     except ClientGone:
         return Response(status_code=499)
 
 
-async def _rerank(body: RerankRequest, request: Request) -> dict:
+async def _rerank(body: RerankRequest, request: Request) -> dict | list:
     ctx = ServerContext.of(request)
-    vectors, tokens = await _vectors(request, [body.query, *body.documents], "documents")
+    docs = body.docs()
+    vectors, tokens = await _vectors(request, [body.query, *docs], "documents")
     scores = [_cosine(vectors[0], v) for v in vectors[1:]]
     order = sorted(range(len(scores)), key=lambda i: -scores[i])[:body.top_n or len(scores)]
+    if body.texts is not None:  # TEI's answer: a bare list
+        return [{"index": i, "score": scores[i], **({"text": docs[i]} if body.return_text else {})} for i in order]
     results = [{"index": i, "relevance_score": scores[i],
-                **({"document": {"text": body.documents[i]}} if body.return_documents else {})} for i in order]
+                **({"document": {"text": docs[i]}} if body.return_documents else {})} for i in order]
     return {"id": new_id("rerank"), "model": ctx.model_name, "results": results,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 

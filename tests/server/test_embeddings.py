@@ -125,6 +125,9 @@ def test_rerank_and_score_are_cosines_of_the_vectors(srv, oracle):
         assert got["results"][0]["document"] == {"text": TEXTS[0]}
         for r in got["results"]:
             assert r["relevance_score"] == pytest.approx(want[r["index"]], abs=1e-4)
+        tei = c.post("/rerank", json={"query": query, "texts": texts, "return_text": True}).json()  # TEI's shape
+        assert [(r["index"], r["text"]) for r in tei][:1] == [(1, TEXTS[0])] and len(tei) == 3
+        assert c.post("/v1/rerank", json={"query": query, "texts": texts, "documents": texts}).status_code == 400
         bare = c.post("/rerank", json={"query": query, "documents": texts, "return_documents": False}).json()
         assert len(bare["results"]) == 3 and "document" not in bare["results"][0]
         scored = c.post("/v1/score", json={"text_1": query, "text_2": texts}).json()["data"]

@@ -22,6 +22,7 @@ MODEL_NAME = "tiny-llama"
 API_KEY = "sk-test-key"
 
 
+ORPHANS: list[str] = []  # what `LiveServer.orphan_check` found as servers exited (tests/server/conftest.py fails on it)
 LONG_TOKENS = 4000  # with `long_model_dir`: far more ticks than any mid-stream action needs
 
 
@@ -81,9 +82,51 @@ class LiveServer:
         return self
 
     def __exit__(self, *exc) -> None:
+        found = self.orphan_check()
+        if found is not None:
+            ORPHANS.append(found)
         self.server.should_exit = True
         self.thread.join(30)
         self.sock.close()
+
+    def orphan_check(self, timeout: float = 10.0) -> str | None:
+        """Once the server is idle (no request running or waiting, no run registered, every Responses turn
+        settled), the pool holds only what live sequences and cached prefixes own: every stored tip is its
+        sequence's whole length, and deleting every sequence and dropping every cached prefix frees every
+        cell. None when so, else what was left. Destructive: it runs as the server exits. A server that is
+        not serving (failed, draining, stopped by its test) has no pool to check."""
+        if self.ctx.state != "ready" or not self.thread.is_alive():
+            return None
+        store = getattr(self.app.state, "response_store", None)
+        deadline = time.monotonic() + timeout
+        try:
+            with self.client() as c:
+                while True:
+                    body = c.get("/v1/cache").raise_for_status().json()
+                    busy = body["requests"]["running"] or body["requests"]["waiting"] or self.ctx.runs \
+                        or (store is not None and store.busy)
+                    if not busy or time.monotonic() > deadline:
+                        break
+                    time.sleep(0.02)
+                if busy:
+                    return (f"{self.url}: not idle after {timeout}s: requests {body['requests']}, runs "
+                            f"{sorted(self.ctx.runs)}, turns holding {dict(store.busy) if store else {}}")
+                seqs = {q["id"]: q for q in c.get("/v1/sequences").raise_for_status().json()["data"]}
+                if store is not None:
+                    long = {sid: (seqs[sid]["length"], store.by_id[tip].length) for sid, tip in store.tips.items()
+                            if tip in store.by_id and sid in seqs and seqs[sid]["length"] != store.by_id[tip].length}
+                    if long:
+                        return f"{self.url}: stored tips shorter than their sequences ((sequence, tip) lengths): {long}"
+                for sid in seqs:
+                    c.delete(f"/v1/sequences/{sid}").raise_for_status()
+                c.delete("/v1/cache/prefixes").raise_for_status()
+                cells = c.get("/v1/cache").raise_for_status().json()["cells"]
+        except httpx.HTTPError:
+            return None  # the test stopped or broke its server; nothing to check
+        if cells["used"] or cells["cached"]:
+            return (f"{self.url}: {cells['used'] + cells['cached']} cells still used after deleting every "
+                    f"sequence ({len(seqs)}) and cached prefix: owned by nothing live")
+        return None
 
     def client(self, **kw) -> httpx.Client:
         return httpx.Client(base_url=self.url, headers=self.headers, timeout=60, **kw)

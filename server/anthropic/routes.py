@@ -70,7 +70,8 @@ async def messages(body: MessagesRequest, request: Request) -> Response:
                              show_thinking=body.thinking is None or body.thinking.shown)
     headers = {"X-Request-Id": run.request_id, "request-id": run.request_id}
     if body.stream:
-        return NamedEventStream(_stream(ctx, run, builder, reply, len(prompt)), headers=headers)
+        return NamedEventStream(_stream(ctx, run, builder, reply, len(prompt)), headers=headers,
+                                if_unstarted=lambda: driver.finish(ctx, run))
     output = Output()
     gone = await driver.collect(request, ctx, run, output.fold)
     if gone is not None:

@@ -10,11 +10,17 @@ prefills once and forks). `GenerationRun` guarantees:
 - `cancel()` cancels only requests that have not finished (the consumer still reads their final
   `cancelled` output); `close()` is what every route calls in a `finally`: it cancels what is left
   and counts it, so a dropped client or an exception frees the request's cells at the next tick.
+  A submit the caller stopped waiting for (its client left) still completes, and what it admitted is
+  cancelled then: nothing a run submitted outlives it unobserved.
+- `ended()` returns once every engine request the run submitted has ended (its final output left the
+  engine), even when nobody reads the outputs any more: after it, the sequence the run generated
+  into is idle, so a verb on it (truncate) cannot find it busy with a cancel still queued.
 
 How a route waits on a run (and notices a client that leaves) is `server.generation.driver`.
 """
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING
 
@@ -42,18 +48,42 @@ class GenerationRun:
         self._observers = [RequestObserver(metrics) for _ in prompts]
         self._closed = False
         self._streams: list[AsyncIterator[RequestOutput]] = []
+        self._submits: list[asyncio.Future] = []  # one per engine request tried, in order
         self._attempted = 0
         self._finished: set[int] = set()
+        self._cancelled = False
 
     async def start(self) -> None:
         """Submit every engine request; on any refusal (or our own cancellation) cancel the others."""
         try:
-            for rid, ids in zip(self.engine_ids, self.prompts):
-                self._attempted += 1  # counted before the await: a cancelled submit may still land
-                self._streams.append(await self.engine.submit(rid, ids, self.params, seq_id=self.seq_id))
+            for k, (rid, ids) in enumerate(zip(self.engine_ids, self.prompts)):
+                self._attempted += 1  # counted before the await: a submit we stop waiting for still lands
+                submit = asyncio.ensure_future(self.engine.submit(rid, ids, self.params, seq_id=self.seq_id))
+                submit.add_done_callback(functools.partial(self._submitted, k))
+                self._submits.append(submit)
+                # shielded: if our caller is cancelled, the submit still completes and `ended()` can see it
+                self._streams.append(await asyncio.shield(submit))
         except BaseException:
             self.cancel()
             raise
+
+    def _submitted(self, k: int, submit: asyncio.Future) -> None:
+        """A submit completed after the run was cancelled (its caller had left): cancel what it admitted."""
+        if submit.cancelled():
+            return
+        if submit.exception() is None and self._cancelled:  # (the exception, if any, is retrieved here)
+            self.engine.cancel_nowait(self.engine_ids[k])
+
+    async def ended(self) -> None:
+        """Wait until every engine request this run submitted has ended; outputs nobody reads are dropped.
+        Call it after `close()` or `cancel()` (else it waits for the generation to run to its end)."""
+        for k, submit in enumerate(self._submits):
+            await asyncio.wait([submit])
+            if submit.cancelled() or submit.exception() is not None or k in self._finished:
+                continue  # never admitted, or its final output was read
+            async for _ in submit.result():
+                pass
+            self._finished.add(k)
 
     def prompt_tokens(self) -> int:
         return sum(len(p) for p in self.prompts)
@@ -112,7 +142,9 @@ class GenerationRun:
     def cancel(self) -> None:
         """Cancel (at the engine's next tick) every submitted engine request that has not finished.
 
-        Queued after the submits, so it lands after them even if a submit was still in flight."""
+        Queued after the submits, so it lands after them even if a submit was still in flight (one that
+        had not reached the engine yet is cancelled when it completes: `_submitted`)."""
+        self._cancelled = True
         for k in range(self._attempted):
             if k not in self._finished:
                 self.engine.cancel_nowait(self.engine_ids[k])

@@ -34,7 +34,7 @@ async def serve(request: Request, ctx: ServerContext, run: GenerationRun, fmt: F
         return gone
     headers = {"X-Request-Id": run.request_id}
     if stream:
-        return SSEResponse(_stream(ctx, run, fmt), headers=headers)
+        return SSEResponse(_stream(ctx, run, fmt), headers=headers, if_unstarted=lambda: driver.finish(ctx, run))
     gone = await driver.collect(request, ctx, run, fmt.fold)
     if gone is not None:
         return gone

@@ -47,19 +47,26 @@ def encode_event(payload: Any) -> bytes:
     return b"data: " + event_json(payload) + b"\n\n"
 
 
-async def _encoded(payloads: AsyncIterator[Any]) -> AsyncIterator[bytes]:
-    async for payload in payloads:
-        yield encode_event(payload)
-
-
 class SSEResponse(StreamingResponse):
-    """A `text/event-stream` response whose producer is cancelled the moment the client disconnects."""
+    """A `text/event-stream` response whose producer is cancelled the moment the client disconnects.
+
+    `if_unstarted`: called when the response ends without its producer ever having run (the client left
+    before the first event was asked for): a generator that never started cannot run its own `finally`,
+    so what it would have cleaned up (the run it streams) is cleaned up here."""
 
     media_type = "text/event-stream"
 
-    def __init__(self, payloads: AsyncIterator[Any], *, headers: dict[str, str] | None = None):
+    def __init__(self, payloads: AsyncIterator[Any], *, headers: dict[str, str] | None = None,
+                 encode: Callable[[Any], bytes] = encode_event, if_unstarted: Callable[[], None] | None = None):
         self._payloads = payloads
-        super().__init__(_encoded(payloads), headers={**SSE_HEADERS, **(headers or {})})
+        self._if_unstarted = if_unstarted
+        self._started = False
+        super().__init__(self._encoded(payloads, encode), headers={**SSE_HEADERS, **(headers or {})})
+
+    async def _encoded(self, payloads: AsyncIterator[Any], encode: Callable[[Any], bytes]) -> AsyncIterator[bytes]:
+        self._started = True  # no await before the producer starts: from here on its `finally` is its own
+        async for payload in payloads:
+            yield encode(payload)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -84,6 +91,8 @@ class SSEResponse(StreamingResponse):
             aclose = getattr(it, "aclose", None)
             if aclose is not None:
                 await aclose()
+        if not self._started and self._if_unstarted is not None:
+            self._if_unstarted()
 
 
 def encode_named(event: tuple[str, dict]) -> bytes:
@@ -95,11 +104,6 @@ class NamedEventStream(SSEResponse):
     """An SSE stream of `(event name, payload)` pairs, with `SSEResponse`'s cancel-on-disconnect."""
 
     def __init__(self, events: AsyncIterator[tuple[str, dict]], *, headers: dict[str, str] | None = None,
-                 encode: Callable[[tuple[str, dict]], bytes] = encode_named):
-        self._payloads = events
-
-        async def encoded() -> AsyncIterator[bytes]:
-            async for event in events:
-                yield encode(event)
-
-        StreamingResponse.__init__(self, encoded(), headers={**SSE_HEADERS, **(headers or {})})
+                 encode: Callable[[tuple[str, dict]], bytes] = encode_named,
+                 if_unstarted: Callable[[], None] | None = None):
+        super().__init__(events, headers=headers, encode=encode, if_unstarted=if_unstarted)

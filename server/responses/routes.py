@@ -79,37 +79,39 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
     except ClientGone:
         return Response(status_code=driver.GONE)
     rid = new_id("resp", sep="_")  # OpenAI's shape
+    run = None
     try:
         reply = await reply_of(ctx, tools, turn.append)
         run = GenerationRun(engine, rid, [turn.append], sampling(body, max_tokens, guided), seq_id=turn.seq_id,
                             metrics=ctx.metrics)
         gone = await driver.start(request, ctx, run)
     except BaseException:
-        await settle(ctx, store, turn, None)
+        await settle(ctx, store, turn, None, run)
         raise
     if gone is not None:
-        await settle(ctx, store, turn, None)
+        await settle(ctx, store, turn, None, run)
         return gone
     builder = ResponseBuilder(rid, body, model=ctx.model_name, max_output_tokens=max_tokens)
     headers = {"X-Request-Id": rid}
     items = [item_dict(item) for item in body.input]
     if body.stream:
-        return NamedEventStream(_stream(ctx, store, run, turn, builder, reply, body.store, items), headers=headers)
+        return NamedEventStream(_stream(ctx, store, run, turn, builder, reply, body.store, items), headers=headers,
+                                if_unstarted=lambda: _settle_later(ctx, store, run, turn, None))
     output = Output()
     try:
         gone = await driver.collect(request, ctx, run, output.fold)
     except BaseException:
-        await settle(ctx, store, turn, None)
+        await settle(ctx, store, turn, None, run)
         raise
     if gone is not None:
-        await settle(ctx, store, turn, None)
+        await settle(ctx, store, turn, None, run)
         return gone
     reasoning, content, calls = reply.split(output.text)
     use = usage(turn.input_tokens, turn.cached_tokens(output.cached_tokens), output.n_tokens,
                 reply.reasoning_tokens(output.pieces))
     answer = builder.final(output, content, calls, use, reasoning)
     said = {"role": "assistant", "content": content, "reasoning_content": reasoning, "tool_calls": calls}
-    await settle(ctx, store, turn, _record(ctx, turn, rid, output, said, answer, body.store, items))
+    await settle(ctx, store, turn, _record(ctx, turn, rid, output, said, answer, body.store, items), run)
     if output.finish_reason == "error":
         raise APIError(500, f"generation failed: {output.error or 'engine error'}", code="engine_error")
     return JSONResponse(answer, headers=headers)
@@ -145,11 +147,23 @@ async def _stream(ctx: ServerContext, store: ResponseStore, run: GenerationRun, 
             log.exception("response stream %s failed", run.request_id)
         yield builder.event("error", code=err.code, message=err.message, param=err.param)
     finally:
-        driver.finish(ctx, run)
-        # settled off the stream's task: a dropped client cancels this generator, not the clean-up
-        task = asyncio.ensure_future(settle(ctx, store, turn, record))
-        _pending.add(task)
-        task.add_done_callback(_pending.discard)
+        _settle_later(ctx, store, run, turn, record)
+
+
+def _settle_later(ctx: ServerContext, store: ResponseStore, run: GenerationRun, turn: Turn,
+                  record: Stored | None) -> None:
+    """Finish a streamed turn's run and settle the turn off the stream's task: a dropped client cancels the
+    stream's generator, not the clean-up (which waits for the cancelled run to end)."""
+    driver.finish(ctx, run)
+    task = asyncio.ensure_future(settle(ctx, store, turn, record, run))
+    _pending.add(task)
+    task.add_done_callback(_settled)
+
+
+def _settled(task: asyncio.Task) -> None:
+    _pending.discard(task)
+    if not task.cancelled() and task.exception() is not None:
+        log.error("settling a streamed turn failed", exc_info=task.exception())
 
 
 _pending: set[asyncio.Task] = set()  # clean-ups of streams whose clients left (kept referenced until done)

@@ -23,9 +23,10 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from engine.api.errors import EngineError, SequenceNotFound
+from engine.api.errors import EngineError, EngineUnavailable, SequenceNotFound
 from server.errors import APIError
 from server.generation.driver import ClientGone, await_or_disconnect
+from server.generation.run import GenerationRun
 from server.generation.toolcalls import Prompting, prompt_args
 from server.responses.store import ResponseStore, Stored, system
 from server.state import ServerContext
@@ -166,10 +167,19 @@ async def _known(store: ResponseStore, work, prev: Stored):
                        param="previous_response_id", code="previous_response_not_found") from None
 
 
-async def settle(ctx: ServerContext, store: ResponseStore, turn: Turn, record: Stored | None) -> None:
-    """After the turn: store `record` (the turn ended well and is to be kept), or undo what the turn did."""
+async def settle(ctx: ServerContext, store: ResponseStore, turn: Turn, record: Stored | None,
+                 run: GenerationRun | None = None) -> None:
+    """After the turn: store `record` (the turn ended well and is to be kept), or undo what the turn did.
+
+    A turn that submitted a run first waits for that run to end (`GenerationRun.ended`): a dropped turn's
+    cancel may still be queued behind its submit, and the tip is truncated only once the engine has let
+    go of the sequence (truncating a busy sequence is refused). A sequence deleted or expired meanwhile
+    leaves nothing to undo; an engine that is stopping refuses the undo, and the store's restart check
+    (a tip longer than its response is forked, never appended to) covers what it leaves."""
     if turn.seq_id is None:
         return
+    if run is not None:
+        await run.ended()
     engine = ctx.engine
     unwanted: list[str] = []
     if record is not None:
@@ -178,11 +188,11 @@ async def settle(ctx: ServerContext, store: ResponseStore, turn: Turn, record: S
     else:
         tip = None
         if turn.mode == "tip":
-            with contextlib.suppress(EngineError):
+            with contextlib.suppress(SequenceNotFound, EngineUnavailable):
                 await engine.truncate(turn.seq_id, turn.prev.length)
                 tip = turn.prev.id
         if store.release(turn.seq_id, tip=tip):
             unwanted.append(turn.seq_id)
     for seq_id in unwanted:
-        with contextlib.suppress(EngineError):
+        with contextlib.suppress(SequenceNotFound, EngineUnavailable):
             await engine.delete(seq_id)

@@ -56,6 +56,7 @@ class LiveServer:
         engine_kw.setdefault("dtype", "float32")
         self.engine = None if factory else AsyncEngine.from_pretrained(model_dir, **engine_kw)
         self.fatal: list[str] = []
+        self.state_dir = engine_kw.get("state_dir")
         self.app = build_app(factory or self.engine, served_model_name=MODEL_NAME, api_key=api_key,
                              shutdown_grace_s=grace_s, limits=limits, on_fatal=self.fatal.append,
                              state_dir=engine_kw.get("state_dir"), cors_origins=cors_origins, pooling=pooling)
@@ -93,8 +94,9 @@ class LiveServer:
         """Once the server is idle (no request running or waiting, no run registered, every Responses turn
         settled), the pool holds only what live sequences and cached prefixes own: every stored tip is its
         sequence's whole length, and deleting every sequence and dropping every cached prefix frees every
-        cell. None when so, else what was left. Destructive: it runs as the server exits. A server that is
-        not serving (failed, draining, stopped by its test) has no pool to check."""
+        cell. None when so, else what was left. Destructive: it runs as the server exits (with a state dir only
+        the checks before the deletes: its sequences are kept for the next server on the folder). A server
+        that is not serving (failed, draining, stopped by its test) has no pool to check."""
         if self.ctx.state != "ready" or not self.thread.is_alive():
             return None
         store = getattr(self.app.state, "response_store", None)
@@ -117,6 +119,8 @@ class LiveServer:
                             if tip in store.by_id and sid in seqs and seqs[sid]["length"] != store.by_id[tip].length}
                     if long:
                         return f"{self.url}: stored tips shorter than their sequences ((sequence, tip) lengths): {long}"
+                if self.state_dir is not None:
+                    return None
                 for sid in seqs:
                     c.delete(f"/v1/sequences/{sid}").raise_for_status()
                 c.delete("/v1/cache/prefixes").raise_for_status()

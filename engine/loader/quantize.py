@@ -204,6 +204,9 @@ def load_quantized_folder(folder: str | Path, mode: str, dtype="auto", *, check=
     reason = check(model) if check else None
     if reason is None and config.model_type.startswith("gemma"):  # its (1 + w) and sandwich norms are not mapped here
         reason = f"{config.model_type}'s norms are not mapped for --quantize (a GGUF file of it runs quantized)"
+    if reason is None and (getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)):
+        reason = (f"{config.model_type}'s experts are not mapped for --quantize (a GGUF file of it runs quantized; "
+                  f"the float folder runs on the native forward as it is)")
     if reason:
         raise ModelSourceError(f"--quantize {mode} runs on the native Llama-family forward, which cannot run "
                                f"{folder.name}: {reason}; serve it without --quantize")

@@ -225,3 +225,11 @@ def test_weight_bytes_count_the_experts_once():
     n_params = sum(p.numel() for p in model.parameters())
     # every parameter once, in float32 (the router's packed copy replaces its weight; a tied table is not kept twice)
     assert weight_bytes(runner.native) == 4 * n_params
+
+
+def test_quantize_at_load_refuses_a_moe_folder_with_the_reason(tmp_path):
+    from engine.api.errors import ModelSourceError
+
+    _model("qwen3_moe").save_pretrained(tmp_path)
+    with pytest.raises(ModelSourceError, match="experts are not mapped for --quantize"):
+        ModelRunner.from_pretrained(tmp_path, quantize="int8", n_cells=64)

@@ -189,9 +189,9 @@ class AsyncEngine:
             self._commands.put((lambda: self._delete_quietly(seq_id), None))
             raise
 
-    async def fork(self, seq_id: str, at: int | None = None) -> SequenceInfo:
+    async def fork(self, seq_id: str, at: int | None = None, lora: LoraRef | None = None) -> SequenceInfo:
         """A new sequence sharing `seq_id`'s cells; rolled back if the caller is cancelled before it returns."""
-        return await self._call(lambda: self.engine.sequence_info(self.engine.fork(seq_id, at).seq_id),
+        return await self._call(lambda: self.engine.sequence_info(self.engine.fork(seq_id, at, lora).seq_id),
                                 undo=lambda info: self._delete_quietly(info.seq_id))
 
     def _delete_quietly(self, seq_id: str) -> None:

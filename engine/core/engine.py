@@ -189,8 +189,14 @@ class Engine:
             raise
         return seq, req
 
-    def fork(self, seq_id: str, at: int | None = None) -> Sequence:
-        return self.persistent.fork(seq_id, at)
+    def fork(self, seq_id: str, at: int | None = None, lora: LoraRef | None = None) -> Sequence:
+        """A new sequence sharing `seq_id`'s first `at` tokens and their cells, under the parent's LoRA adapter;
+        `lora` naming another adapter: under that one, its tokens recomputed (no cells shared)."""
+        binding = self.adapters.bind(lora, self.persistent.get(seq_id)) if lora is not None else None
+        child = self.persistent.fork(seq_id, at)  # refused above (an unknown adapter) before anything is made
+        if lora is not None:
+            self.adapters.rebind(child, binding)
+        return child
 
     def truncate(self, seq_id: str, length: int) -> Sequence:
         return self.persistent.truncate(seq_id, length)

@@ -47,6 +47,7 @@ class SequenceCompletionRequest(SamplingFields, PromptOrMessages):
 
 class ForkRequest(StrictModel):
     at: int | None = Field(None, ge=0)
+    model: str | None = None  # a LoRA adapter's name: the fork runs under it (recomputed); else the parent's
 
 
 class TruncateRequest(StrictModel):

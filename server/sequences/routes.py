@@ -92,7 +92,8 @@ async def fork_sequence(seq_id: str, request: Request,
                         body: ForkRequest | None = OPTIONAL_FORK_BODY) -> Response | dict:
     engine = ServerContext.of(request).require_engine()
     at = body.at if body is not None else None
-    work = asyncio.ensure_future(engine.fork(seq_id, at))
+    lora = lora_ref(body.model) if body is not None else None
+    work = asyncio.ensure_future(engine.fork(seq_id, at, lora))
     try:  # a fork whose client is gone is rolled back
         info = await await_or_disconnect(request, work, lambda: None)
     except ClientGone:

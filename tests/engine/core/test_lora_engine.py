@@ -89,6 +89,14 @@ def test_a_persistent_sequence_keeps_its_adapter_and_a_fork_inherits_it(adapters
     eng.add_request("c2", [5, 6], greedy(4), out, seq_id=child.seq_id)
     drain(eng)
     assert out.tokens[0] == greedy_oracle(oracles["a"], hist + [5, 6], 4)
+    other = eng.fork(seq.seq_id, lora=LoraRef("b"))  # a fork under another adapter: recomputed under it
+    assert other.lora.name == "b" and other.n_cached == 0
+    out = Collector()
+    eng.add_request("c4", [], greedy(3), out, seq_id=other.seq_id)
+    drain(eng)
+    assert out.tokens[0] == greedy_oracle(oracles["b"], hist, 3)
+    with pytest.raises(AdapterNotFound):
+        eng.fork(seq.seq_id, lora=LoraRef("zzz"))
     out = Collector()  # naming another adapter: from now on under it, the history recomputed
     eng.add_request("c3", [], greedy(3, lora=LoraRef("b")), out, seq_id=seq.seq_id)
     drain(eng)

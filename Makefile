@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: test serve soak lint bench clean
+.PHONY: test serve soak lint bench clean docker-test
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -41,6 +41,18 @@ soak: $(STAMP)
 	$(BIN)/pip install -q matplotlib
 	CELLSERVE_RSS_SOAK_S=$(SOAK_S) CELLSERVE_SOAK_OUT=soak-out $(BIN)/python -m pytest -m 'soak or soak_long' \
 		-o addopts='-q -s' tests/server/test_soak.py tests/server/test_memory_soak.py
+
+# The image: a base from Debian packages (docker/base.sh, mmdebstrap), the host's pip settings and CPU torch wheel
+# (docker/prepare_context.py), the legacy builder with the host's network (pip reaches the host's index), then
+# tests/docker/ runs containers of it. Needs a Docker daemon, mmdebstrap and the package index.
+DOCKER_BASE ?= cellserve-base:bookworm
+DOCKER_PROXY := $(foreach v,HTTP_PROXY HTTPS_PROXY NO_PROXY http_proxy https_proxy no_proxy,$(if $($(v)),--build-arg $(v)))
+docker-test: $(STAMP)
+	docker/base.sh $(DOCKER_BASE)
+	$(BIN)/python docker/prepare_context.py
+	DOCKER_BUILDKIT=0 docker build --network host --build-arg BASE=$(DOCKER_BASE) $(DOCKER_PROXY) \
+		-f docker/Dockerfile -t cellserve:cpu .
+	$(BIN)/python -m pytest -m docker -o addopts='-q' tests/docker
 
 lint: $(STAMP)
 	$(BIN)/ruff check engine server tests

@@ -183,7 +183,7 @@ def run_server(args: argparse.Namespace) -> int:
                     ui=not args.no_ui, state_dir=state_dir_of(args), cors_origins=args.cors_origins,
                     pooling=args.pooling)
     ctx = app.state.ctx
-    ctx.metrics.memory.trim = idle_trim_from_env(ctx._stats)  # malloc_trim once idle (server/memory.py)
+    ctx.metrics.memory.trim = idle_trim_from_env(ctx.engine_stats)  # malloc_trim once idle (server/memory.py)
 
     class DrainingServer(uvicorn.Server):
         """On SIGTERM/SIGINT the app stops admitting (503) before uvicorn starts its graceful wait.

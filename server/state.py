@@ -56,7 +56,7 @@ class ServerContext:
         self.limits = limits or Limits()
         self.state_dir = state_dir  # --state-dir: the server keeps its stored responses there too
         self.tokens: TokenizerService | None = None
-        self.metrics = ServerMetrics(self._stats, self._memory)
+        self.metrics = ServerMetrics(self.engine_stats, self._memory)
         self.runs: dict[str, Run] = {}
         self._load_task: asyncio.Task | None = None
 
@@ -127,7 +127,8 @@ class ServerContext:
     def model_name(self) -> str:
         return self.served_model_name or "cellserve"
 
-    def _stats(self):
+    def engine_stats(self):
+        """The engine's counters as of its last tick (`EngineClient.stats`); None while loading or without one."""
         return self.engine.stats() if self.engine is not None and self.state != "loading" else None
 
     def _memory(self):

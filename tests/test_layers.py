@@ -217,3 +217,109 @@ def test_the_server_check_sees_a_surface_and_an_upward_import():
     assert server_layer_breaks(graph) == [
         "server.state -> server.generation.run (imports a layer above its own)",
         "server.anthropic.routes -> server.openai.protocol (a surface imports another: share it in server.generation)"]
+
+
+def _engine_client_members() -> set[str]:
+    tree = ast.parse((ROOT / "engine/api/client.py").read_text())
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "EngineClient")
+    return {n.target.id if isinstance(n, ast.AnnAssign) else n.name for n in cls.body
+            if isinstance(n, ast.AnnAssign | ast.FunctionDef | ast.AsyncFunctionDef)}
+
+
+def _held_engine_uses(path: Path) -> set[str]:
+    """Attributes read off whatever the server holds as its engine: `engine.X`, `ctx.engine.X`, `self.engine.X`."""
+    used = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if not isinstance(node, ast.Attribute):
+            continue
+        held = node.value
+        if (isinstance(held, ast.Name) and held.id == "engine") or (isinstance(held, ast.Attribute) and held.attr == "engine"):
+            used.add(node.attr)
+    return used
+
+
+def test_the_server_calls_only_what_engine_client_declares():
+    """EngineClient is the one front door: every call the server makes on its engine is declared there (and so
+    typed against it), and AsyncEngine, the one implementation, has every member it declares."""
+    from engine.core.async_engine import AsyncEngine
+
+    declared = _engine_client_members()
+    bad = sorted(f"{path.relative_to(ROOT)}: engine.{name}" for path in (ROOT / "server").rglob("*.py")
+                 for name in _held_engine_uses(path) - declared)
+    assert bad == []
+    made = AsyncEngine.__init__.__code__.co_names  # attributes set in __init__ (model_name, n_cells, ...)
+    assert sorted(m for m in declared if not hasattr(AsyncEngine, m) and m not in made) == []
+
+
+def test_async_engine_asks_the_engine_not_its_parts():
+    """AsyncEngine drives `Engine` through its methods: no `self.engine.<part>.<member>` (runner, cache, admission,
+    scheduler) and no reading a request's sequences."""
+    tree = ast.parse((ROOT / "engine/core/async_engine.py").read_text())
+    reached = sorted({ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute)
+                      and isinstance(n.value, ast.Attribute) and isinstance(n.value.value, ast.Attribute)
+                      and n.value.value.attr == "engine" and n.value.attr not in ("config",)}
+                     | {ast.unparse(n) for n in ast.walk(tree) if isinstance(n, ast.Attribute) and n.attr == "seqs"})
+    assert reached == []
+
+
+# class -> (the file that defines it, the modules that may assign its fields from outside its own methods):
+# one owner each (its constructor aside), so a field never changes behind its owner's back
+FIELD_OWNERS = {
+    "Sequence": ("engine/core/sequence.py", {"engine.core.scheduler"}),
+    "Choice": ("engine/core/sequence.py", {"engine.core.output_processor"}),
+    "DraftState": ("engine/spec/state.py", {"engine.spec.decoder", "engine.spec.draft_model"}),
+}
+# field names other classes use too (a CompletionOutput's finish_reason, error and token_ids, a Request's
+# grammar, a stream's detok, a Chunk's seq): checked
+# only where the assigned object's name says which class it is
+SHARED_NAMES = {"finish_reason", "error", "token_ids", "grammar", "detok", "index", "seq", "request", "params", "tokens", "created", "status", "q",
+                "match", "length", "kept", "missed", "expect", "pause"}
+
+
+def _fields(path: str, cls: str) -> set[str]:
+    tree = ast.parse((ROOT / path).read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    return {n.target.id for n in node.body if isinstance(n, ast.AnnAssign) and isinstance(n.target, ast.Name)}
+
+
+def _assigned_attributes(tree: ast.AST):
+    """(object expression, attribute) of every `obj.attr = ...`, `obj.attr += ...`, tuple targets included."""
+    for node in ast.walk(tree):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(
+            node, ast.AugAssign | ast.AnnAssign) else []
+        stack = list(targets)
+        while stack:
+            t = stack.pop()
+            if isinstance(t, ast.Tuple | ast.List):
+                stack.extend(t.elts)
+            elif isinstance(t, ast.Attribute) and not (isinstance(t.value, ast.Name) and t.value.id == "self"):
+                yield ast.unparse(t.value), t.attr
+
+
+def _ownership_breaks(modules: dict[str, Path]) -> list[str]:
+    bad = []
+    for cls, (path, owners) in FIELD_OWNERS.items():
+        fields = _fields(path, cls)
+        hint = {"Sequence": ("seq", "child", "parent", "holder", "victim"), "Choice": ("choice", "ch", "first"),
+                "DraftState": ("state",)}[cls]
+        for mod, file in modules.items():
+            if mod in owners or not mod.startswith("engine."):
+                continue
+            for obj, attr in _assigned_attributes(ast.parse(file.read_text(), str(file))):
+                named = obj.split(".")[-1] in hint or obj.endswith((".seq", ".choice"))
+                if attr in fields and (attr not in SHARED_NAMES or named):
+                    bad.append(f"{mod}: {obj}.{attr} = ... ({cls}.{attr} belongs to {sorted(owners)})")
+    return bad
+
+
+def test_no_module_assigns_another_owners_fields():
+    """A Sequence's slot, cells, status and running choice are the scheduler's; a choice's finish the output
+    processor's; draft state the speculative decoder's. Any other module asks them (a method) instead."""
+    assert _ownership_breaks(_modules()) == []
+
+
+def test_the_ownership_check_sees_a_foreign_write(tmp_path):
+    """The check can fail: a made-up engine module that sets a sequence's cached count is caught."""
+    rogue = tmp_path / "rogue.py"
+    rogue.write_text("def f(seq, state):\n    seq.n_cached, x = 3, 4\n    state.kept += 1\n")
+    assert len(_ownership_breaks({"engine.core.rogue": rogue})) == 2

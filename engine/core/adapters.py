@@ -45,9 +45,7 @@ class Adapters:
 
     def rebind(self, seq: Sequence, lora: LoraBinding | None) -> None:
         """`seq` (not running) continues under `lora`: its cells go if they were computed under another."""
-        if seq.lora != lora:
-            self.scheduler.release(seq)
-            seq.lora = lora
+        self.scheduler.rebind(seq, lora)
 
     def load(self, name: str, path: str, replace: bool = False) -> AdapterInfo:
         """Load `path` as `name` (llama.cpp's next id); an adapter of that name already loaded is replaced only

@@ -1,6 +1,8 @@
 """Admission: what a request must pass before it is queued, checked up front so a refusal changes nothing.
 
-The rules: token ids inside the vocabulary, a prompt + `max_tokens` that fits the model's context and, with all its choices, the
+`admit` is the one call that runs them all for a request (the engine's `add_request` asks nothing else).
+The rules: a request id not in flight, a sequence that is not already generating, a non-empty prompt, token
+ids inside the vocabulary, a prompt + `max_tokens` that fits the model's context and, with all its choices, the
 whole cell pool (admitting more would preempt everything else and still not fit), a queue with room,
 and a grammar that compiles in bounded time. The fit rules read only constants, so the HTTP layer may call
 them from any thread before it submits. Grammars compile on a small pool of their own threads (xgrammar's
@@ -14,9 +16,11 @@ from __future__ import annotations
 
 import concurrent.futures
 import threading
+from collections.abc import Container
 
-from engine.api.errors import InvalidRequest, PromptTooLong, QueueFull
+from engine.api.errors import InvalidRequest, PromptTooLong, QueueFull, SequenceBusy
 from engine.api.sampling_params import SamplingParams
+from engine.core.sequence import Sequence
 
 GRAMMAR_THREADS = 2  # compiles at once; one more waits its turn (within its own timeout)
 
@@ -36,6 +40,32 @@ class Admission:
         self._grammars = None  # engine.sample.grammar.GrammarCompiler, made on the first structured-output request
         self._grammars_lock = threading.Lock()
         self._compiles: concurrent.futures.ThreadPoolExecutor | None = None
+
+    def admit(self, request_id: str, prompt_ids: list[int], params: SamplingParams, seq: Sequence | None, *,
+              in_flight: Container[str], n_waiting: int, detokenize: bool = True):
+        """Every check a new request must pass, in the order a client fixes them; raises (InvalidRequest,
+        SequenceBusy, PromptTooLong, QueueFull) before anything changes. `seq`: the persistent sequence it
+        continues (None: a new prompt). Returns its compiled grammar (None without structured output)."""
+        if not detokenize and params.stop:
+            raise InvalidRequest("stop strings need the engine's detokenizer: keep detokenize=True", "stop")
+        if request_id in in_flight:
+            raise InvalidRequest(f"request id {request_id!r} is already in flight", "request_id")
+        if seq is not None and seq.request is not None:
+            raise SequenceBusy(f"sequence {seq.seq_id} is already generating; wait or cancel it")
+        if seq is not None and params.n != 1:
+            raise InvalidRequest("n must be 1 when continuing a sequence; fork it for more branches", "n")
+        history = len(seq.token_ids) if seq else 0
+        if history + len(prompt_ids) == 0:
+            raise InvalidRequest("the prompt is empty: give at least one token", "prompt")
+        self.check_tokens(prompt_ids)
+        params.check_vocab(self.vocab_size)
+        grammar = self.compile_grammar(params)
+        if params.prompt_logprobs is not None and seq is not None:
+            raise InvalidRequest("prompt logprobs need the whole prompt computed; a sequence continuation reuses "
+                                 "its cached history: send the text as a new prompt", "prompt_logprobs")
+        self.check_fits([history + len(prompt_ids)], params.max_tokens, params.n)
+        self.check_queue(n_waiting)
+        return grammar
 
     def check_tokens(self, ids) -> None:
         bad = [t for t in ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < self.vocab_size]

@@ -27,7 +27,7 @@ from engine.api.args import EngineArgs
 from engine.api.errors import EngineUnavailable, RequestNotFound
 from engine.api.lora import AdapterInfo, LoraRef
 from engine.api.memory import MemoryReport
-from engine.api.outputs import CompletionOutput, EngineStats, RequestOutput, SequenceInfo
+from engine.api.outputs import EngineStats, RequestOutput, SequenceInfo
 from engine.api.sampling_params import SamplingParams
 from engine.core.detokenizer import OutputDetokenizer, context_ids
 from engine.core.engine import Engine
@@ -70,11 +70,11 @@ class AsyncEngine:
         self.engine = engine
         self.model_name = model_name
         self.tokenizer = engine.tokenizer
-        self.max_model_len = engine.runner.max_model_len
-        self.n_cells = engine.cache.n_cells
-        self.cell_bytes = engine.runner.cell_bytes
-        self.kv_cache_dtype = engine.runner.kv_cache_dtype
-        self.dtype = engine.runner.dtype
+        self.max_model_len = engine.max_model_len
+        self.n_cells = engine.n_cells
+        self.cell_bytes = engine.cell_bytes
+        self.kv_cache_dtype = engine.kv_cache_dtype
+        self.dtype = engine.dtype
         self.prefix_caching = engine.config.prefix_caching
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
@@ -129,7 +129,7 @@ class AsyncEngine:
                and time.monotonic() < deadline):
             await asyncio.sleep(0.05)
         if self.failure is None and self._thread is not None and self._thread.is_alive():
-            await self._call(self._cancel_all, check_accepting=False)
+            await self._call(self.engine.cancel_all, check_accepting=False)
         self._stopping = True
         self._commands.put(None)
         if self._thread is not None:
@@ -150,14 +150,14 @@ class AsyncEngine:
         A structured-output grammar is compiled first, in a worker thread: a compile (milliseconds; more
         for a big schema) never stalls the tick, and admission then finds it in xgrammar's cache."""
         if params.guided is not None:
-            await asyncio.to_thread(self.engine.admission.compile_grammar, params)
+            await asyncio.to_thread(self.engine.compile_grammar, params)
         stream = RequestStream(request_id)
         emit = self._emitter(stream)
         here = self.tokenizer is not None and not params.stop
 
         def add() -> list[int]:
-            req = self.engine.add_request(request_id, prompt_ids, params, emit, seq_id, detokenize=not here)
-            return context_ids(req.seqs[0].token_ids)
+            self.engine.add_request(request_id, prompt_ids, params, emit, seq_id, detokenize=not here)
+            return context_ids(self.engine.context_ids(request_id))
 
         context = await self._call(add, undo=lambda _: self.engine.cancel(request_id))
         if here:
@@ -230,7 +230,7 @@ class AsyncEngine:
 
     async def cached_prefix_cells(self) -> int:
         """Cells held only by cached prefixes (evictable on demand), counted on the loop thread."""
-        return await self._call(self.engine.scheduler.cached_prefix_cells, check_accepting=False)
+        return await self._call(self.engine.cached_prefix_cells, check_accepting=False)
 
     async def embed(self, prompts: list[list[int]], pooling: str) -> list[list[float]]:
         """Each prompt's pooled final hidden state (unit length), computed between ticks on borrowed cells."""
@@ -242,12 +242,12 @@ class AsyncEngine:
 
     def max_tokens_left(self, prompt_len: int, n: int = 1) -> int:
         """`Admission.max_tokens_left`: what "generate until the end" means (constants only, any thread)."""
-        return self.engine.admission.max_tokens_left(prompt_len, n)
+        return self.engine.max_tokens_left(prompt_len, n)
 
     def check_fits(self, prompt_lens: list[int], max_tokens: int, n: int = 1) -> None:
         """`Admission.check_fits` (PromptTooLong for what can never run); reads constants only, so it is
         safe from the event loop and lets several prompts be refused together, before any is submitted."""
-        self.engine.admission.check_fits(prompt_lens, max_tokens, n)
+        self.engine.check_fits(prompt_lens, max_tokens, n)
 
     def stats(self) -> EngineStats:
         """The engine's counters as of the last tick; never waits for the loop."""
@@ -315,10 +315,6 @@ class AsyncEngine:
             result = future.result()
             self._commands.put((lambda: undo(result), None))
 
-    def _cancel_all(self) -> None:
-        for request_id in list(self.engine.requests):
-            self.engine.cancel(request_id)
-
     def _loop(self) -> None:
         try:
             self._run()
@@ -338,7 +334,7 @@ class AsyncEngine:
                     last_expiry = time.monotonic()
             except Exception:  # a bug outside the forward: fail what is in flight, keep serving
                 log.exception("engine tick failed; cancelling in-flight requests")
-                self._cancel_all()
+                self.engine.cancel_all()
             self._stats = engine.stats()
             self._flush()
 
@@ -390,13 +386,7 @@ class AsyncEngine:
         """The loop cannot go on: say why, end every in-flight request with an error, fail queued commands."""
         self.failure = f"{type(exc).__name__}: {exc}"
         log.critical("the engine loop stopped: %s", self.failure, exc_info=exc)
-        for request_id, req in list(self.engine.requests.items()):
-            out = RequestOutput(request_id, [CompletionOutput(i, finish_reason="error", error=self.failure)
-                                             for i in range(req.params.n)], req.prompt_ids, True)
-            try:
-                req.emit(out)
-            except Exception:  # best effort: the loop is already dying
-                log.exception("could not fail request %s", request_id)
+        self.engine.abandon(self.failure)
         self._flush()
         self._fail_queued()
         if self.on_failure is not None:

@@ -15,11 +15,17 @@ import time
 import torch
 
 from engine.api.args import EngineArgs
-from engine.api.errors import InvalidRequest, SequenceBusy
 from engine.api.ids import new_id
 from engine.api.lora import LoraRef
 from engine.api.memory import MemoryReport
-from engine.api.outputs import EngineStats, PromptLogprobs, RequestOutput, SequenceInfo, TokenLogprob
+from engine.api.outputs import (
+    CompletionOutput,
+    EngineStats,
+    PromptLogprobs,
+    RequestOutput,
+    SequenceInfo,
+    TokenLogprob,
+)
 from engine.api.sampling_params import SamplingParams
 from engine.core.adapters import Adapters
 from engine.core.admission import Admission
@@ -31,7 +37,7 @@ from engine.core.persistent import SequenceTable
 from engine.core.prompt_logprobs import prompt_rows as plp_rows
 from engine.core.prompt_logprobs import take_prompt_logprobs
 from engine.core.scheduler import Chunk, Scheduler
-from engine.core.sequence import Request, Sequence
+from engine.core.sequence import Choice, Request, Sequence
 from engine.core.state.identity import identity_of
 from engine.core.state.store import DurableStore
 from engine.loader.source import resolve_args, resolve_model
@@ -129,26 +135,9 @@ class Engine:
         `detokenize=False` leaves every output's `text` empty, for a consumer that decodes the tokens
         itself off this thread (`OutputDetokenizer`); refused with stop strings, which must end the
         generation here, before the next token is sampled."""
-        if not detokenize and params.stop:
-            raise InvalidRequest("stop strings need the engine's detokenizer: keep detokenize=True", "stop")
-        if request_id in self.requests:
-            raise InvalidRequest(f"request id {request_id!r} is already in flight", "request_id")
         seq = self.persistent.get(seq_id) if seq_id is not None else None
-        if seq is not None and seq.request is not None:
-            raise SequenceBusy(f"sequence {seq_id} is already generating; wait or cancel it")
-        if seq is not None and params.n != 1:
-            raise InvalidRequest("n must be 1 when continuing a sequence; fork it for more branches", "n")
-        history = len(seq.token_ids) if seq else 0
-        if history + len(prompt_ids) == 0:
-            raise InvalidRequest("the prompt is empty: give at least one token", "prompt")
-        self.admission.check_tokens(prompt_ids)
-        params.check_vocab(self.vocab_size)
-        grammar = self.admission.compile_grammar(params)
-        if params.prompt_logprobs is not None and seq is not None:
-            raise InvalidRequest("prompt logprobs need the whole prompt computed; a sequence continuation reuses "
-                                 "its cached history: send the text as a new prompt", "prompt_logprobs")
-        self.admission.check_fits([history + len(prompt_ids)], params.max_tokens, params.n)
-        self.admission.check_queue(len(self.scheduler.waiting))
+        grammar = self.admission.admit(request_id, prompt_ids, params, seq, in_flight=self.requests,
+                                       n_waiting=len(self.scheduler.waiting), detokenize=detokenize)
         # max_tokens 0 asks for no token (SamplingParams' contract): the prompt is cached, nothing sampled.
         req = Request(request_id, list(prompt_ids), params, emit or (lambda out: None),
                       prefill_only=params.max_tokens == 0, detokenize=detokenize)
@@ -157,7 +146,7 @@ class Engine:
             req.prompt_logprobs = PromptLogprobs(list(prompt_ids[:1]), [None], [None])
         lora = self.adapters.bind(params.lora, seq)
         if seq is None:
-            seq = Sequence(new_id("gen"), list(prompt_ids), shares_prefix=req.prompt_logprobs is None, lora=lora)
+            seq = Sequence(new_id("gen"), list(prompt_ids), lora=lora)
         else:
             self.adapters.rebind(seq, lora)
             seq.token_ids.extend(prompt_ids)
@@ -175,6 +164,26 @@ class Engine:
             return False
         self._settle([self.outputs.cancel(req)])
         return True
+
+    def cancel_all(self) -> None:
+        """Cancel every request in flight (a shutdown's leftovers, or after a tick that failed outside the forward)."""
+        for request_id in list(self.requests):
+            self.cancel(request_id)
+
+    def abandon(self, why: str) -> None:
+        """The engine cannot go on: send every in-flight request a last output with `why` as each choice's error,
+        changing nothing else (best effort: a failing `emit` is logged and skipped)."""
+        for request_id, req in list(self.requests.items()):
+            out = RequestOutput(request_id, [CompletionOutput(i, finish_reason="error", error=why)
+                                             for i in range(req.params.n)], req.prompt_ids, True)
+            try:
+                req.emit(out)
+            except Exception:
+                log.exception("could not fail request %s", request_id)
+
+    def context_ids(self, request_id: str) -> list[int]:
+        """The tokens an in-flight request's output follows: its prompt, after the history of the sequence it continues."""
+        return list(self.requests[request_id].choices[0].seq.token_ids)
 
     # ----- persistent sequences (engine.core.persistent) -------------------------------------------
     def create_sequence(self, prompt_ids, emit=None, lora: LoraRef | None = None) -> tuple[Sequence, Request]:
@@ -237,9 +246,8 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one tick (schedule -> forward -> sample -> process outputs); return its outputs."""
         outputs: list[RequestOutput] = []
-        if self.speculative is not None:
-            self.speculative.propose()
-        chunks = self.scheduler.schedule()
+        drafts = self.speculative.propose() if self.speculative is not None else {}
+        chunks = self.scheduler.schedule(drafts)
         self.outputs.finish_prefills(outputs)
         if not chunks:
             return self._settle(outputs)
@@ -253,9 +261,7 @@ class Engine:
             self.outputs.fail_step(chunks, exc, outputs)
             return self._settle(outputs)
         self.steps += 1
-        for c in chunks:
-            self.scheduler.set_cached(c.seq, c.seq.n_cached + c.n_tokens)
-            c.seq.last_used = time.monotonic()
+        self.scheduler.advance(chunks)
         plain = [c for c in sample_chunks if not c.draft]
         drafted = [c for c in sample_chunks if c.draft]  # rows after the plain ones: 1 + len(draft) each
         n_sampled = len(plain) + sum(1 + len(c.draft) for c in drafted)
@@ -306,19 +312,18 @@ class Engine:
         return outputs
 
     def _start(self, req: Request, seq: Sequence, index: int) -> None:
-        seq.request, seq.index, seq.gen_start = req, index, len(seq.token_ids)
-        seq.finish_reason = seq.error = None
-        seq.params = req.params.for_child(index) if index else req.params
-        seq.generator = None if seq.params.greedy else make_generator(seq.params)
-        seq.detok = None
-        seq.grammar = self.admission.grammar_state(req.grammar) if req.grammar is not None else None
+        """Choice `index` of `req` generates on `seq` (queued: it runs when scheduled)."""
+        params = req.params.for_child(index) if index else req.params
+        detok = None
         if self.tokenizer is not None and not req.prefill_only and req.detokenize:
-            seq.detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, stop=req.params.stop,
-                                               skip_special_tokens=req.params.skip_special_tokens,
-                                               min_tokens=req.params.min_tokens)
-        req.seqs.append(seq)
-        self.scheduler.remove(seq)
-        self.scheduler.enqueue(seq)
+            detok = IncrementalDetokenizer(self.tokenizer, seq.token_ids, stop=req.params.stop,
+                                           skip_special_tokens=req.params.skip_special_tokens,
+                                           min_tokens=req.params.min_tokens)
+        choice = Choice(req, seq, index, len(seq.token_ids), params,
+                        None if params.greedy else make_generator(params), detok,
+                        self.admission.grammar_state(req.grammar) if req.grammar is not None else None)
+        req.choices.append(choice)
+        self.scheduler.start(seq, choice)
 
     def _take_prompt_logprobs(self, chunks: list[Chunk], prompt_rows: dict[int, int], logits, outputs) -> None:
         lp_chunks = [c for c in chunks if id(c) in prompt_rows]
@@ -338,22 +343,23 @@ class Engine:
                 rows.append(i)
                 seqs.append(seq)
         # Token histories are only read for penalties: don't copy them for every row every step.
-        pen = [s.params.has_penalties for s in seqs]
+        choices = [s.choice for s in seqs]
+        pen = [c.params.has_penalties for c in choices]
         if rows != list(range(len(logits))):  # n > 1 children reuse their parent's row
             logits = logits[rows]
-        result = self.sampler(logits, [s.params for s in seqs], [s.generator for s in seqs],
-                              [s.output_ids if p else [] for s, p in zip(seqs, pen)],
-                              [s.token_ids[: s.gen_start] if p else [] for s, p in zip(seqs, pen)],
-                              [s.grammar for s in seqs])
-        for k, seq in enumerate(seqs):
-            req = seq.request  # append may finish the sequence and clear it
-            if req is None or req.finished:  # an earlier row of its request failed it
+        result = self.sampler(logits, [c.params for c in choices], [c.generator for c in choices],
+                              [c.output_ids if p else [] for c, p in zip(choices, pen)],
+                              [c.history if p else [] for c, p in zip(choices, pen)],
+                              [c.grammar for c in choices])
+        for k, choice in enumerate(choices):
+            req = choice.request
+            if not choice.live or req.finished:  # an earlier row of its request failed it
                 continue
             lp = None
             if result.logprobs[k] is not None:
                 lp = TokenLogprob(result.token_ids[k], result.logprobs[k], result.top_logprobs[k] or [])
             try:
-                news.setdefault(req, {})[seq.index] = self.outputs.append(seq, result.token_ids[k], lp)
+                news.setdefault(req, {})[choice.index] = self.outputs.append(choice, result.token_ids[k], lp)
             except Exception as exc:  # e.g. a detokenizer bug on one request's text: fail it alone
                 log.exception("request %s failed while taking its token; failing it alone", req.request_id)
                 news.pop(req, None)
@@ -375,6 +381,42 @@ class Engine:
         return children
 
     # ----- admission and reports ---------------------------------------------------------------
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    @property
+    def n_cells(self) -> int:
+        return self.cache.n_cells
+
+    @property
+    def cell_bytes(self) -> int:
+        return self.runner.cell_bytes
+
+    @property
+    def kv_cache_dtype(self) -> str:
+        return self.runner.kv_cache_dtype
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.runner.dtype
+
+    def compile_grammar(self, params: SamplingParams):
+        """`Admission.compile_grammar`: thread-safe, so a front end compiles off the loop thread first."""
+        return self.admission.compile_grammar(params)
+
+    def max_tokens_left(self, prompt_len: int, n: int = 1) -> int:
+        """`Admission.max_tokens_left` (constants only: any thread)."""
+        return self.admission.max_tokens_left(prompt_len, n)
+
+    def check_fits(self, prompt_lens: list[int], max_tokens: int, n: int = 1) -> None:
+        """`Admission.check_fits` (constants only: any thread)."""
+        self.admission.check_fits(prompt_lens, max_tokens, n)
+
+    def cached_prefix_cells(self) -> int:
+        """Cells held only by cached prefixes (evictable on demand)."""
+        return self.scheduler.cached_prefix_cells()
+
     def stats(self) -> EngineStats:
         sched = self.scheduler
         idle = sum(1 for s in self.sequences.values() if s.request is None)  # persistent, not generating

@@ -18,7 +18,7 @@ from engine.api.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.api.sampling_params import SamplingParams
 from engine.core.detokenizer import choice_text
 from engine.core.scheduler import Chunk, Scheduler
-from engine.core.sequence import Request, Sequence
+from engine.core.sequence import Choice, Request
 
 log = logging.getLogger("cellserve.engine")
 
@@ -53,38 +53,39 @@ class OutputProcessor:
         self.requests = requests
         self.eos_ids = eos_ids
 
-    def append(self, seq: Sequence, token: int, lp: TokenLogprob | None) -> CompletionOutput:
-        req = seq.request
-        seq.token_ids.append(token)
+    def append(self, choice: Choice, token: int, lp: TokenLogprob | None) -> CompletionOutput:
+        """`token` becomes the choice's next output token (its sequence's truth); the choice ends on a stop."""
+        req = choice.request
+        choice.seq.token_ids.append(token)
         if req.timing.first_token is None:
             req.timing.first_token = time.monotonic()
-        out = CompletionOutput(seq.index, [token], logprobs=[lp] if lp else None)
-        stop = check_stop_token(seq.params, token, seq.num_generated, self.eos_ids)
-        if seq.grammar is not None:
-            seq.grammar.accept(token)
-            if seq.grammar.terminated:  # the grammar was complete and took EOS: the choice is done
+        out = CompletionOutput(choice.index, [token], logprobs=[lp] if lp else None)
+        stop = check_stop_token(choice.params, token, choice.num_generated, self.eos_ids)
+        if choice.grammar is not None:
+            choice.grammar.accept(token)
+            if choice.grammar.terminated:  # the grammar was complete and took EOS: the choice is done
                 stop = ("stop", None)
-        if seq.detok is not None:
-            out.text = choice_text(seq.detok, [token], stop[0] if stop else None)
-            if seq.detok.stopped:  # the token completed a stop string: the text is cut before it
-                stop = ("stop", seq.detok.stop_reason)
+        if choice.detok is not None:
+            out.text = choice_text(choice.detok, [token], stop[0] if stop else None)
+            if choice.detok.stopped:  # the token completed a stop string: the text is cut before it
+                stop = ("stop", choice.detok.stop_reason)
         if stop is not None:
             out.finish_reason, out.stop_reason = stop
-            self.finish(seq, stop[0])
+            self.finish(choice, stop[0])
         return out
 
-    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
-        """End one choice: it keeps its reason, leaves its request, and the scheduler takes its sequence."""
-        seq.finish_reason, seq.error = reason, error
-        seq.request = seq.grammar = None
-        self.scheduler.finish(seq, reason)
+    def finish(self, choice: Choice, reason: str, error: str | None = None) -> None:
+        """End one choice: it keeps its reason, and the scheduler takes its sequence (no choice runs on it)."""
+        choice.finish_reason, choice.error = reason, error
+        choice.grammar = None
+        self.scheduler.finish(choice.seq, reason)
 
     def emit(self, req: Request, choices: dict[int, CompletionOutput]) -> RequestOutput:
         """Send `req` this tick's delta: the new tokens of `choices`, plus a finish for every choice that
         ended without a token (cancel, error) and was not reported yet."""
-        for seq in req.seqs:
-            if seq.index not in choices and seq.request is None and seq.index not in req.reported:
-                choices[seq.index] = CompletionOutput(seq.index, finish_reason=seq.finish_reason, error=seq.error)
+        for ch in req.choices:
+            if ch.index not in choices and not ch.live and ch.index not in req.reported:
+                choices[ch.index] = CompletionOutput(ch.index, finish_reason=ch.finish_reason, error=ch.error)
         if req.children_pending and not req.live():
             _end_unforked(req, choices)
         req.reported.update(i for i, c in choices.items() if c.finish_reason)
@@ -106,7 +107,7 @@ class OutputProcessor:
 
     def cancel(self, req: Request) -> RequestOutput:
         for seq in req.live():
-            self.finish(seq, "cancelled")
+            self.finish(seq.choice, "cancelled")
         return self.emit(req, {})
 
     def finish_prefills(self, outputs: list[RequestOutput]) -> None:
@@ -115,7 +116,7 @@ class OutputProcessor:
         for seq in list(self.scheduler.running):
             req = seq.request
             if req is not None and req.prefill_only and seq.n_cached >= seq.cache_target():
-                self.finish(seq, "length")
+                self.finish(seq.choice, "length")
                 outputs.append(self.emit(req, {}))
 
     def fail_step(self, chunks: list[Chunk], exc: Exception, outputs: list[RequestOutput]) -> None:
@@ -126,14 +127,14 @@ class OutputProcessor:
 
     def fail_request(self, req: Request, exc: Exception, outputs: list[RequestOutput]) -> None:
         for seq in req.live():
-            self.finish(seq, "error", f"{type(exc).__name__}: {exc}")
+            self.finish(seq.choice, "error", f"{type(exc).__name__}: {exc}")
         outputs.append(self.emit(req, {}))
 
 
 def _end_unforked(req: Request, choices: dict[int, CompletionOutput]) -> None:
     """n > 1 ended (cancel, failed forward) before its prompt was prefilled and forked: the choices that
     were never forked end the same way as choice 0, so every one of the n choices reports a finish."""
-    first = req.seqs[0]
+    first = req.choices[0]
     for i in range(1, req.children_pending + 1):
         choices[i] = CompletionOutput(i, finish_reason=first.finish_reason, error=first.error)
     req.children_pending = 0

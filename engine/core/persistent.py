@@ -72,7 +72,7 @@ class SequenceTable:
         if seq.n_cached > length - 1:
             self.scheduler.uncache(seq, length - 1)
         del seq.token_ids[length:]
-        seq.last_used = time.monotonic()
+        self.scheduler.touch(seq)
         self._write(seq)
         return seq
 

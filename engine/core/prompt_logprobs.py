@@ -23,7 +23,7 @@ def prompt_rows(chunks: list[Chunk]) -> dict[int, int]:
     out = {}
     for c in chunks:
         req = c.seq.request
-        if req is not None and req.prompt_logprobs is not None and c.seq.index == 0:
+        if req is not None and req.prompt_logprobs is not None and c.seq.choice.index == 0:
             k = min(c.start + c.n_tokens, len(req.prompt_ids) - 1) - c.start
             if k > 0:
                 out[id(c)] = k

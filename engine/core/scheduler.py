@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 
 from engine.cells.cache import CellCache
 from engine.core.prefix_index import BLOCK, PrefixIndex
-from engine.core.sequence import SeqStatus, Sequence
+from engine.core.sequence import Choice, SeqStatus, Sequence
 
 PREFIX_MIN_TOKENS = BLOCK  # a cached prefix shorter than one index block can never be found: not kept
 
@@ -112,6 +112,16 @@ class Scheduler:
         self.mirror = None
 
     # ----- queue -----------------------------------------------------------------------------
+    def start(self, seq: Sequence, choice: Choice) -> None:
+        """`choice` generates on `seq` from now on: it (re)joins the queue."""
+        seq.choice = choice
+        self.remove(seq)
+        self.enqueue(seq)
+
+    def touch(self, seq: Sequence) -> None:
+        """`seq` was used now (a verb on an idle sequence): it is evicted and expires later."""
+        seq.last_used = time.monotonic()
+
     def enqueue(self, seq: Sequence, front: bool = False) -> None:
         """Queue `seq` after every waiting sequence of its priority or a better one (`front`: before those
         of its own priority, as a preempted sequence goes back)."""
@@ -158,6 +168,13 @@ class Scheduler:
         seq.slot, seq.n_cached = None, 0
         self.prefix.forget(seq)
 
+    def rebind(self, seq: Sequence, lora) -> None:
+        """`seq` (not running) continues under the adapter binding `lora`: its cells go if they were computed
+        under another (K/V belong to the weights that computed them)."""
+        if seq.lora != lora:
+            self.release(seq)
+            seq.lora = lora
+
     def retire(self, seq: Sequence) -> None:
         """A finished request's sequence: keep its cells as a cached prefix, or release them."""
         seq.status = SeqStatus.FINISHED
@@ -170,6 +187,13 @@ class Scheduler:
         """`seq` now holds cells for exactly positions [0, n) (after a forward, a share or a cut)."""
         seq.n_cached = n
         self.prefix.update(seq)
+
+    def advance(self, chunks: list[Chunk]) -> None:
+        """A forward ran `chunks`: each sequence now has cells for its chunk's own tokens (a draft's cells are
+        verification's to keep or drop: `set_cached`, `uncache`), and was used now."""
+        for c in chunks:
+            self.set_cached(c.seq, c.seq.n_cached + c.n_tokens)
+            c.seq.last_used = time.monotonic()
 
     def share(self, src: Sequence, dst: Sequence, upto: int) -> None:
         """`dst` (holding a slot) also owns `src`'s cells of positions [dst.n_cached, upto): no copy.
@@ -250,6 +274,7 @@ class Scheduler:
         """A choice ended (`reason` is its finish reason): a persistent sequence goes idle and keeps its
         cells but the last token's (see `Sequence.cache_target`); a failed one drops its cells (a failed
         step's cells are not trusted as a cached prefix); any other is retired."""
+        seq.choice = None
         self.remove(seq)
         if seq.persistent:
             seq.status = SeqStatus.IDLE
@@ -325,7 +350,10 @@ class Scheduler:
         self.preemptions += 1
 
     # ----- one tick --------------------------------------------------------------------------
-    def schedule(self) -> list[Chunk]:
+    def schedule(self, drafts: dict[Sequence, list[int]] | None = None) -> list[Chunk]:
+        """This tick's chunks; `drafts`: guessed next tokens of decoding sequences (speculative decoding), each
+        carried as far as the budget and the free cells allow."""
+        drafts = drafts or {}
         plan = StepBudget()
         budget = self.max_num_batched_tokens
         wants = [s.cache_target() - s.n_cached for s in self.running]
@@ -338,7 +366,7 @@ class Scheduler:
             want = seq.cache_target() - seq.n_cached
             n = min(want, budget) if want == 1 else min(want, budget, prefill)
             if n > 0 and self._room_for_running(plan, seq, n):
-                draft = self._draft_room(plan, seq, budget - n) if want == 1 else []
+                draft = self._draft_room(plan, drafts.get(seq), budget - n) if want == 1 else []
                 plan.add(seq, n, draft)
                 budget -= n + len(draft)
                 prefill -= n if want > 1 else 0
@@ -379,17 +407,17 @@ class Scheduler:
         """A request's `cached_tokens` (OpenAI's usage field): its prompt tokens found in the cache at
         its first admission (later re-admissions after a preemption do not count again)."""
         req = seq.request
-        if req is not None and seq.index == 0 and req.cached_tokens is None:
+        if req is not None and seq.choice.index == 0 and req.cached_tokens is None:
             history = len(seq.token_ids) - len(req.prompt_ids)
             req.cached_tokens = max(0, shared - history)
 
-    def _draft_room(self, plan: StepBudget, seq: Sequence, budget: int) -> list[int]:
-        """As much of `seq.draft` as fits the tick's budget and the free cells; drafts never evict or
-        preempt anyone (they are a guess)."""
-        if not seq.draft:
+    def _draft_room(self, plan: StepBudget, draft: list[int] | None, budget: int) -> list[int]:
+        """As much of `draft` as fits the tick's budget and the free cells; drafts never evict or preempt
+        anyone (they are a guess)."""
+        if not draft:
             return []
-        k = max(0, min(len(seq.draft), budget, self.cache.free_cells() - plan.tokens - 1))
-        return seq.draft[:k]
+        k = max(0, min(len(draft), budget, self.cache.free_cells() - plan.tokens - 1))
+        return draft[:k]
 
     def _need(self, plan: StepBudget, n: int) -> int:
         return plan.tokens + n - self.cache.free_cells()

@@ -3,8 +3,8 @@
 A `Sequence` owns a cell slot while it holds cells, its token ids (the truth) and `n_cached`, how
 many of those tokens have cells. Its cells always hold exactly positions `[0, n_cached)`, so
 dropping them (eviction, preemption) loses nothing: the sequence re-prefills and continues with
-the same output. A `Request` is one generation call: one sequence per choice (`n > 1` forks
-children off the prompt), the sampling params, and where its outputs go.
+the same output. A `Request` is one generation call: one `Choice` per choice, each generating on one
+sequence (`n > 1` forks children off the prompt), the sampling params, and where its outputs go.
 Their ids come from `engine.api.ids`.
 """
 
@@ -17,7 +17,6 @@ from typing import TYPE_CHECKING
 from engine.api.lora import LoraBinding
 from engine.api.outputs import PromptLogprobs, RequestOutput, Timing
 from engine.api.sampling_params import SamplingParams
-from engine.spec.costs import PRIOR_KEPT, PRIOR_MISSED
 
 if TYPE_CHECKING:  # annotations only: torch, the detokenizer and the grammar stay out of the server's imports
     import torch
@@ -34,43 +33,33 @@ class SeqStatus(enum.Enum):
 
 @dataclass(eq=False)
 class Sequence:
+    """Identity, tokens, slot, cached count, status and parent: nothing a request or a draft owns.
+
+    Who writes what: the scheduler every field past `created` (`slot`, `n_cached`, `status`, which `choice`
+    runs on it, and its own bookkeeping: `last_used`, `admitted_at`, `lookup_done`); the output processor
+    appends to `token_ids`, persistent-sequence verbs (engine/core/persistent.py) cut them. Draft state is
+    the speculative decoder's (`engine.spec.state.DraftState`), per-choice state its `Choice`'s.
+    """
+
     seq_id: str
     token_ids: list[int]
     persistent: bool = False
     parent: str | None = None
     fork_at: int | None = None  # tokens it took from `parent` when forked (kept on disk with --state-dir)
     lora: "LoraBinding | None" = None  # the adapter its cells were computed under (None: the base); forks inherit it
+    created: float = field(default_factory=time.time)
     slot: int | None = None
     n_cached: int = 0
     status: SeqStatus = SeqStatus.IDLE
-    request: "Request | None" = None
-    index: int = 0  # choice index within its request
-    gen_start: int = 0  # len(token_ids) when the current request started: output = token_ids[gen_start:]
-    params: SamplingParams | None = None  # this choice's params (seed + index for n > 1)
-    generator: "torch.Generator | None" = None
-    finish_reason: str | None = None
-    error: str | None = None
-    detok: "IncrementalDetokenizer | None" = None  # None: no engine-side text (prefill-only, or decoded off-thread)
-    grammar: "GrammarState | None" = None  # while a structured-output request runs
-    created: float = field(default_factory=time.time)
+    choice: "Choice | None" = None  # the request's choice generating on it now (None: not generating)
     last_used: float = field(default_factory=time.monotonic)
     admitted_at: float = 0.0  # monotonic order of admission, for "preempt the newest"
     lookup_done: bool = False  # the prefix cache was consulted since this sequence was last queued
-    # False: never take a cached prefix. A request that scores its prompt (prompt logprobs) needs every
-    # prompt row's logits from its own prefill, on first admission and after a preemption.
-    shares_prefix: bool = True
-    draft: list[int] = field(default_factory=list)  # guessed next tokens for this tick (speculative), not yet truth
-    draft_q: "torch.Tensor | None" = None  # a draft model's sampled draft: the distribution of each token (rows)
-    draft_len: int = 0  # how many tokens its next draft may hold (0: the engine's maximum); adapts to acceptance
-    draft_match: int = 0  # a prompt-lookup draft's match length (0: the draft came from elsewhere)
-    draft_pause: int = 0  # ticks to go without the draft model ("auto" backs off after its drafts wholly missed)
-    draft_misses: int = 0  # wholly rejected model drafts in a row
-    drafts_kept: float = PRIOR_KEPT  # decayed counts of drafted tokens kept and of misses that ended drafts
-    drafts_missed: float = PRIOR_MISSED  # (engine/spec/costs.py: what draft length pays)
-    short_expected: float = 0.0  # its lookup drafts behind short matches: drafted tokens the engine-wide rates
-    short_hits: float = 0.0  # expected kept, and tokens kept (decayed sums; costs.calibrated)
-    draft_expect: float | None = None  # this tick's own short-match lookup draft: the tokens of it the engine-wide
-    # rates expect kept (None: a draft the sequence's record does not judge)
+
+    @property
+    def request(self) -> "Request | None":
+        """The request generating on this sequence now, if any."""
+        return self.choice.request if self.choice is not None else None
 
     @property
     def pending(self) -> int:
@@ -78,17 +67,21 @@ class Sequence:
         return len(self.token_ids) - self.n_cached
 
     @property
-    def output_ids(self) -> list[int]:
-        return self.token_ids[self.gen_start :]
+    def num_generated(self) -> int:
+        """Tokens its current choice has generated (0 when not generating)."""
+        return self.choice.num_generated if self.choice is not None else 0
 
     @property
-    def num_generated(self) -> int:
-        return len(self.token_ids) - self.gen_start
+    def shares_prefix(self) -> bool:
+        """False: never take a cached prefix. A request that scores its prompt (prompt logprobs, choice 0) needs
+        every prompt row's logits from its own prefill, on first admission and after a preemption."""
+        c = self.choice
+        return c is None or c.index > 0 or c.request.prompt_logprobs is None
 
     @property
     def wants_logits(self) -> bool:
         """A generating sequence samples when a chunk caches its last token; a prefill-only one never."""
-        return self.request is not None and not self.request.prefill_only
+        return self.choice is not None and not self.choice.request.prefill_only
 
     def cache_target(self) -> int:
         """How many tokens this sequence should have cells for before it is done with its prefill.
@@ -96,9 +89,45 @@ class Sequence:
         Idle sequences keep their last token uncached: generating from them then needs the logits of
         that token, which a 1-token forward produces.
         """
-        if self.request is not None and self.request.prefill_only:
+        if self.choice is not None and self.choice.request.prefill_only:
             return len(self.token_ids) - 1
         return len(self.token_ids)
+
+
+@dataclass(eq=False)
+class Choice:
+    """One of a request's `n` choices, generating on one sequence: its params (seed + index for n > 1), random
+    generator, grammar state, detokenizer and, once it ended, its finish. It outlives its sequence's turn
+    (`Sequence.choice` goes back to None when it finishes) so that the finish is reported once."""
+
+    request: "Request"
+    seq: Sequence
+    index: int  # choice index within its request
+    gen_start: int  # len(seq.token_ids) when it started: its output = seq.token_ids[gen_start:]
+    params: SamplingParams
+    generator: "torch.Generator | None" = None
+    detok: "IncrementalDetokenizer | None" = None  # None: no engine-side text (prefill-only, or decoded off-thread)
+    grammar: "GrammarState | None" = None  # while a structured-output request runs
+    finish_reason: str | None = None
+    error: str | None = None
+
+    @property
+    def live(self) -> bool:
+        """Still generating: its sequence has not finished it (nor moved on to another request)."""
+        return self.seq.choice is self
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.seq.token_ids[self.gen_start :]
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.seq.token_ids) - self.gen_start
+
+    @property
+    def history(self) -> list[int]:
+        """The tokens before its output (the prompt and, on a persistent sequence, what came before)."""
+        return self.seq.token_ids[: self.gen_start]
 
 
 @dataclass(eq=False)
@@ -109,7 +138,7 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     emit: Callable[[RequestOutput], None]
-    seqs: list[Sequence] = field(default_factory=list)
+    choices: list[Choice] = field(default_factory=list)
     prefill_only: bool = False
     detokenize: bool = True  # False: the consumer makes the text (AsyncEngine, requests without stop strings)
     persistent_seq: Sequence | None = None  # set when the request runs on a persistent sequence
@@ -124,6 +153,11 @@ class Request:
     accepted_draft_tokens: int = 0  # speculative decoding, over all choices
     rejected_draft_tokens: int = 0
 
+    @property
+    def seqs(self) -> list[Sequence]:
+        """Its choices' sequences, in choice order."""
+        return [c.seq for c in self.choices]
+
     def live(self) -> list[Sequence]:
-        """Choices still generating for this request (a finished choice drops its `request`)."""
-        return [s for s in self.seqs if s.request is self]
+        """Sequences of the choices still generating for this request."""
+        return [c.seq for c in self.choices if c.live]

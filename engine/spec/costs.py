@@ -11,7 +11,7 @@ it makes. Where S comes from:
   length and draft position learn S (from `PRIOR_FIRST` / `PRIOR_LATER`, measured there); a guess that seldom
   pays (a short match) is then not drafted at all;
 - a followed text (a prediction, a fork's parent) or a draft model: per sequence, each drafted token kept
-  with probability `a` (decayed counts, `Sequence.drafts_kept` / `drafts_missed`) until a miss: S(j) = a^j.
+  with probability `a` (decayed counts, `DraftState.kept` / `missed`) until a miss: S(j) = a^j.
 
 Costs are learned from the engine's own decode-only steps (an EMA per row count, `observe`); a row count not
 seen yet is taken to cost what the nearest one seen does, so a longer draft is tried, and measured, before it

@@ -40,6 +40,7 @@ Guarantees:
 from __future__ import annotations
 
 import logging
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -47,7 +48,7 @@ import torch
 from engine.api.outputs import CompletionOutput, TokenLogprob
 from engine.core.output_processor import OutputProcessor
 from engine.core.scheduler import Chunk, Scheduler
-from engine.core.sequence import Request, Sequence
+from engine.core.sequence import Choice, Request, Sequence
 from engine.sample.sampler import Sampler, advance
 from engine.spec.costs import (
     DECAY,
@@ -60,6 +61,7 @@ from engine.spec.costs import (
     kept_rate,
 )
 from engine.spec.lookup import NgramIndex, lookup_draft
+from engine.spec.state import DraftState
 
 log = logging.getLogger("cellserve.speculative")
 
@@ -89,39 +91,51 @@ class SpeculativeDecoder:
         self.costs = StepCosts()  # decode-only step times per row count (the engine reports them)
         self.matches = MatchAcceptance(k)  # prompt-lookup drafts kept, by match length and position
         self.indexes: dict[str, NgramIndex] = {}  # the running sequences' own histories, indexed (lookup.py)
+        # every sequence's draft state, for as long as the sequence lives (its record outlasts a request)
+        self.states: weakref.WeakKeyDictionary[Sequence, DraftState] = weakref.WeakKeyDictionary()
 
-    def propose(self) -> None:
-        """Give every eligible running sequence a draft (the scheduler may still drop it for room); with
+    def state(self, seq: Sequence) -> DraftState:
+        """`seq`'s draft state (a fresh one for a sequence that never drafted)."""
+        state = self.states.get(seq)
+        if state is None:
+            state = self.states[seq] = DraftState()
+        return state
+
+    def propose(self) -> dict[Sequence, list[int]]:
+        """A draft for every eligible running sequence (the scheduler may still cut it for room); with
         `always` off, only while few sequences decode and nothing prefills (`_quiet`)."""
         running = self.scheduler.running
         # "auto" prices a draft against the same tick without one: until a tick of that many rows was timed
         # (a fresh engine; every tick drafted since), it runs one without drafts, which times it
         quiet = self.always or (self._quiet(running) and self.costs.timed(len(running)))
-        by_model = []  # (sequence, room): no free draft, the draft model's then
+        by_model = []  # (sequence, its state, room): no free draft, the draft model's then
         self.indexes = {seq.seq_id: self.indexes[seq.seq_id] for seq in running if seq.seq_id in self.indexes}
         for seq in running:
-            seq.draft, seq.draft_q, seq.draft_match = [], None, 0
+            state = self.state(seq)
+            state.clear()
             room = self._room(seq) if quiet and self._eligible(seq) else 0
-            seq.draft = self._draft_for(seq, room) if room > 0 else []
-            if seq.draft_pause > 0 and not self.always:
-                seq.draft_pause -= 1
-            elif room > 0 and self.drafter is not None and (not seq.draft or self._model_pays_more(seq, room)):
-                seq.draft, seq.draft_match = [], 0
-                by_model.append((seq, self._paced(seq, room, self.drafter.token_seconds)))
+            state.tokens = self._draft_for(seq, room) if room > 0 else []
+            if state.pause > 0 and not self.always:
+                state.pause -= 1
+            elif room > 0 and self.drafter is not None and (not state.tokens or self._model_pays_more(seq, room)):
+                state.tokens, state.match = [], 0
+                by_model.append((seq, state, self._paced(seq, room, self.drafter.token_seconds)))
         if by_model:
             self._model_drafts(by_model)
+        return {seq: self.states[seq].tokens for seq in running if self.states[seq].tokens}
 
     def _model_pays_more(self, seq: Sequence, room: int) -> bool:
         """Under "auto", whether the draft model is expected to yield more tokens per second than the sequence's
         lookup draft this tick (a short match in an answer that paraphrases: the model's drafts are kept far
         more often, at a draft forward a token). A followed text's draft is never replaced. (A lookup draft
         exists only once this tick's undrafted row count was timed: `propose`.)"""
-        if not seq.draft_match:
+        state = self.state(seq)
+        if not state.match:
             return False
         base, ts = len(self.scheduler.running), self.drafter.token_seconds
-        lookup = self.costs.rate(base, self.matches.survival(seq.draft_match, len(seq.draft)), len(seq.draft))
+        lookup = self.costs.rate(base, self.matches.survival(state.match, len(state.tokens)), len(state.tokens))
         length = self._paced(seq, room, ts)
-        model = self.costs.rate(base, geometric(kept_rate(seq.drafts_kept, seq.drafts_missed), length), length, ts)
+        model = self.costs.rate(base, geometric(kept_rate(state.kept, state.missed), length), length, ts)
         return model > lookup
 
     def _quiet(self, running: list[Sequence]) -> bool:
@@ -131,31 +145,34 @@ class SpeculativeDecoder:
         return (len(running) <= AUTO_MAX_DECODING and not self.scheduler.waiting
                 and all(s.cache_target() - s.n_cached <= 1 for s in running))
 
-    def _model_drafts(self, wanted: list[tuple[Sequence, int]]) -> None:
+    def _model_drafts(self, wanted: list[tuple[Sequence, DraftState, int]]) -> None:
         try:
             self.drafter.propose(wanted)
         except Exception:  # a failing draft costs its drafts, never the target's step
             log.exception("the draft model failed; this tick runs without its drafts")
-            for seq, _ in wanted:
-                seq.draft, seq.draft_q = [], None
+            for _, state, _ in wanted:
+                state.tokens, state.q = [], None
 
     def _eligible(self, seq: Sequence) -> bool:
         req = seq.request
-        return (req is not None and not req.prefill_only and seq.grammar is None
+        return (req is not None and not req.prefill_only and seq.choice.grammar is None
                 and seq.cache_target() - seq.n_cached == 1 and not req.children_pending)
 
     def _room(self, seq: Sequence) -> int:
         """How many tokens the sequence may draft this tick at most: k, within max_tokens and the context."""
-        return min(self.k, seq.params.max_tokens - seq.num_generated - 1, self.max_model_len - len(seq.token_ids) - 1)
+        choice = seq.choice
+        return min(self.k, choice.params.max_tokens - choice.num_generated - 1,
+                   self.max_model_len - len(seq.token_ids) - 1)
 
     def _paced(self, seq: Sequence, room: int, token_seconds: float = 0.0) -> int:
         """A followed text's or the draft model's length: the sequence's adaptive length within `room`; under
         "auto" also no longer than pays for its acceptance on this machine's step costs (costs.py), each
         drafted token costing `token_seconds` more to make (the draft model's forward; a followed text's is free)."""
-        room = min(seq.draft_len or self.k, room)
+        state = self.state(seq)
+        room = min(state.length or self.k, room)
         if self.always or room <= 1:
             return room
-        a = kept_rate(seq.drafts_kept, seq.drafts_missed)
+        a = kept_rate(state.kept, state.missed)
         return self.costs.best_length(len(self.scheduler.running), geometric(a, room), room, per_token=token_seconds)
 
     def _draft_for(self, seq: Sequence, room: int) -> list[int]:
@@ -174,17 +191,19 @@ class SpeculativeDecoder:
             return []
         rates = self.matches.survival(found.matched, len(found.tokens))
         own_short = found.own and found.matched < SHORT_MATCH  # judged by the sequence's record too
-        kept = calibrated(rates, seq.short_expected, seq.short_hits) if own_short else rates
+        state = self.state(seq)
+        kept = calibrated(rates, state.short_expected, state.short_hits) if own_short else rates
         draft = found.tokens[: self.costs.best_length(len(self.scheduler.running), kept, len(found.tokens), shortest=0)]
-        seq.draft_match = found.matched if draft else 0  # what verify counts this draft's outcome under
-        seq.draft_expect = sum(rates[: len(draft)]) if own_short else None
+        state.match = found.matched if draft else 0  # what verify counts this draft's outcome under
+        state.expect = sum(rates[: len(draft)]) if own_short else None
         return draft
 
     def _followed(self, seq: Sequence) -> list[tuple[list[int], int]]:
         """Texts the sequence may follow token for token, each with the position of seq.token_ids where
         it starts: the request's prediction (at the output's start), a fork's parent (past the fork) when it runs
         under the same LoRA adapter (another adapter's text predicts this one's poorly)."""
-        texts = [(seq.params.prediction_ids, seq.gen_start)] if seq.params.prediction_ids else []
+        choice = seq.choice
+        texts = [(choice.params.prediction_ids, choice.gen_start)] if choice.params.prediction_ids else []
         parent = self.persistent(seq.parent) if seq.parent is not None and seq.fork_at is not None else None
         if parent is not None and len(parent.token_ids) > seq.fork_at and _adapter(parent) == _adapter(seq):
             texts.append((parent.token_ids[seq.fork_at :], seq.fork_at))
@@ -198,19 +217,20 @@ class SpeculativeDecoder:
         at = appended = 0
         for c in chunks:
             rows, at = logits[at : at + 1 + len(c.draft)], at + 1 + len(c.draft)
-            seq, req = c.seq, c.seq.request
+            seq, req, choice = c.seq, c.seq.request, c.seq.choice
             if req is None or req.finished:
                 continue
-            q = seq.draft_q[: len(c.draft)] if seq.draft_q is not None else None
-            tokens, lps = self._accept(seq, c.draft, rows) if q is None else self._accept_drawn(seq, c.draft, rows, q)
-            by_model = self.drafter is not None and self.drafter.drafted_for(seq)
+            state = self.state(seq)
+            q = state.q[: len(c.draft)] if state.q is not None else None
+            tokens, lps = self._accept(choice, c.draft, rows) if q is None else self._accept_drawn(choice, c.draft, rows, q)
+            by_model = self.drafter is not None and self.drafter.drafted_for(seq, state.tokens)
             start = c.start + 1  # the first drafted position (the chunk's first row is the last real token)
             kept = 0
             for token, lp in zip(tokens, lps):
-                out = self.outputs.append(seq, token, lp)
-                self._merge(news.setdefault(req, {}), seq.index, out)
+                out = self.outputs.append(choice, token, lp)
+                self._merge(news.setdefault(req, {}), choice.index, out)
                 kept += 1
-                if seq.request is None:  # finished on this token
+                if not choice.live:  # finished on this token
                     break
             appended += kept
             drafts_kept = min(kept, len(tokens) - 1)  # the last kept token is not a draft's: it has no cell
@@ -221,42 +241,42 @@ class SpeculativeDecoder:
             if by_model:
                 self.drafter.drafted += len(c.draft)
                 self.drafter.accepted += drafts_kept
-            self._adapt(seq, len(c.draft), drafts_kept, by_model)
+            self._adapt(state, len(c.draft), drafts_kept, by_model)
             self._trim(seq, start + drafts_kept, start + len(c.draft))
-            seq.draft, seq.draft_q = [], None
+            state.tokens, state.q = [], None
         return appended
 
-    def _adapt(self, seq: Sequence, drafted: int, kept: int, by_model: bool) -> None:
+    def _adapt(self, state: DraftState, drafted: int, kept: int, by_model: bool) -> None:
         """What the next drafts learn from this one: a lookup draft's outcome counts for its match length; a
         followed text's or model's adapts the sequence's own length (a draft kept whole may double next time: a
         copy runs for long, reach k in a few ticks; else it shrinks to what was kept, plus one) and rate, and
         model drafts wholly rejected pause the draft model for the sequence."""
-        if seq.draft_match:
-            self.matches.observe(seq.draft_match, drafted, kept)
-            if seq.draft_expect is not None:
-                seq.short_expected = SEQ_DECAY * seq.short_expected + seq.draft_expect
-                seq.short_hits = SEQ_DECAY * seq.short_hits + kept
+        if state.match:
+            self.matches.observe(state.match, drafted, kept)
+            if state.expect is not None:
+                state.short_expected = SEQ_DECAY * state.short_expected + state.expect
+                state.short_hits = SEQ_DECAY * state.short_hits + kept
             return
-        seq.draft_len = min(self.k, max(2 * drafted, seq.draft_len or self.k)) if kept == drafted else kept + 1
-        seq.drafts_kept = DECAY * seq.drafts_kept + kept
-        seq.drafts_missed = DECAY * seq.drafts_missed + (kept < drafted)
+        state.length = min(self.k, max(2 * drafted, state.length or self.k)) if kept == drafted else kept + 1
+        state.kept = DECAY * state.kept + kept
+        state.missed = DECAY * state.missed + (kept < drafted)
         if by_model:
-            seq.draft_misses = 0 if kept else seq.draft_misses + 1
-            seq.draft_pause = min(AUTO_MAX_PAUSE, 2 ** seq.draft_misses) if seq.draft_misses else 0
+            state.misses = 0 if kept else state.misses + 1
+            state.pause = min(AUTO_MAX_PAUSE, 2 ** state.misses) if state.misses else 0
 
     def settle(self) -> None:
         """After a tick: the draft model's pool keeps no cell of a drafted token the target did not keep."""
         if self.drafter is not None:
             self.drafter.sync_all()
 
-    def _accept(self, seq: Sequence, draft: list[int], rows: torch.Tensor) -> tuple[list[int], list]:
+    def _accept(self, choice: Choice, draft: list[int], rows: torch.Tensor) -> tuple[list[int], list]:
         """The tokens row by row would yield (row i sees the outputs plus draft[:i]), cut after the first
         row whose token differs from the draft's."""
         n = len(draft) + 1
-        p = seq.params
-        outs = [seq.output_ids + draft[:i] for i in range(n)] if p.has_penalties else [[]] * n
-        prompt = [seq.token_ids[: seq.gen_start] if p.has_penalties else []] * n
-        g = seq.generator
+        p = choice.params
+        outs = [choice.output_ids + draft[:i] for i in range(n)] if p.has_penalties else [[]] * n
+        prompt = [choice.history if p.has_penalties else []] * n
+        g = choice.generator
         state = g.get_state() if g is not None else None
         result = self.sampler(rows, [p] * n, [g] * n, outs, prompt, [None] * n)
         a = 0
@@ -269,7 +289,7 @@ class SpeculativeDecoder:
                for t, lp, top in zip(result.token_ids, result.logprobs, result.top_logprobs)]
         return result.token_ids[: a + 1], lps[: a + 1]
 
-    def _accept_drawn(self, seq: Sequence, draft: list[int], rows: torch.Tensor, q: torch.Tensor
+    def _accept_drawn(self, choice: Choice, draft: list[int], rows: torch.Tensor, q: torch.Tensor
                       ) -> tuple[list[int], list]:
         """Speculative sampling for a draft drawn from q (a draft model's, on a sampled row): draft[i] is kept
         with probability min(1, p_i(draft[i]) / q_i(draft[i])), p_i being the distribution row i samples from
@@ -277,17 +297,17 @@ class SpeculativeDecoder:
         by a draw from max(0, p_i - q_i), normalised, and a draft kept whole earns a draw from p at its end.
         The tokens then follow p exactly (Leviathan et al., 2023). With a one-hot q (a model-free draft) it is
         `_accept`'s rule. Every draw comes from the sequence's generator: a seeded request is reproducible."""
-        n, par = len(draft) + 1, seq.params
-        outs = [seq.output_ids + draft[:i] for i in range(n)] if par.has_penalties else None
-        prompt = [seq.token_ids[: seq.gen_start]] * n if par.has_penalties else None
+        n, par = len(draft) + 1, choice.params
+        outs = [choice.output_ids + draft[:i] for i in range(n)] if par.has_penalties else None
+        prompt = [choice.history] * n if par.has_penalties else None
         p = self.sampler.distribution(rows, [par] * n, outs, prompt)
         at, d = torch.arange(len(draft)), torch.tensor(draft)
-        u = torch.rand(len(draft), generator=seq.generator, dtype=torch.float64)
+        u = torch.rand(len(draft), generator=choice.generator, dtype=torch.float64)
         refused = (u * q[at, d].double() >= p[at, d].double()).nonzero().flatten()
         a = int(refused[0]) if refused.numel() else len(draft)
         last = (p[a] - q[a]).clamp(min=0) if a < len(draft) else p[a]
         last = last if last.sum() > 0 else p[a]  # p <= q everywhere only where p == q: p itself then
-        tokens = draft[:a] + [int(torch.multinomial(last, 1, generator=seq.generator))]
+        tokens = draft[:a] + [int(torch.multinomial(last, 1, generator=choice.generator))]
         if par.logprobs is None:
             return tokens, [None] * len(tokens)
         lp, top = self.sampler.logprobs(rows[: len(tokens)], torch.tensor(tokens), [par] * len(tokens))

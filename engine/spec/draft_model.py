@@ -14,7 +14,7 @@ Guarantees:
   drafted tokens the target did not keep are dropped with the draft's own `seq_rm`;
 - a greedy row's draft is the draft model's argmax; a sampled row's tokens are drawn, with the sequence's
   own generator, from the draft's distribution q under the request's sampling parameters, and q's rows
-  ride along (`Sequence.draft_q`) so that verification can accept with min(1, p/q);
+  ride along (`DraftState.q`) so that verification can accept with min(1, p/q);
 - when the draft pool is short of cells, idle slots' draft cells go first, then sequences skip drafting
   (a draft is a guess: it never takes anything from the target).
 """
@@ -31,6 +31,7 @@ from engine.model.flat_step import flatten_step
 from engine.model.runner import ModelRunner
 from engine.sample.sampler import Sampler
 from engine.spec.costs import ema
+from engine.spec.state import DraftState
 
 
 def check_same_vocabulary(target: ModelRunner, draft: ModelRunner, name: str) -> None:
@@ -78,19 +79,20 @@ class DraftModel:
             self.held[dst] = hi
 
     # ----- one tick ----------------------------------------------------------------------------
-    def propose(self, wanted: list[tuple[Sequence, int]]) -> None:
-        """Draft up to `room` tokens for each (running, decoding, draft-less) sequence of `wanted` into
-        `seq.draft` (and, for a sampled one, q's rows into `seq.draft_q`). Step 0 carries each sequence's
+    def propose(self, wanted: list[tuple[Sequence, DraftState, int]]) -> None:
+        """Draft up to `room` tokens for each (running, decoding, draft-less) sequence of `wanted` into its
+        state's `tokens` (and, for a sampled one, q's rows into its `q`). Step 0 carries each sequence's
         catch-up tokens through its last one; step i > 0 feeds draft token i - 1 of those still drafting."""
         self.sync_all()
-        plan = self._plan(wanted)
+        states = {seq: state for seq, state, _ in wanted}
+        plan = self._plan([(seq, room) for seq, _, room in wanted])
         if not plan:
             return
         rooms = {seq: room for seq, _, room in plan}
         chunks = {seq.slot: (seq.token_ids[self.held[seq.slot] : self.held[seq.slot] + n], self.held[seq.slot])
                   for seq, n, _ in plan}
         for seq, _, _ in plan:
-            self.fed[seq.slot] = (seq, len(seq.token_ids), seq.draft)
+            self.fed[seq.slot] = (seq, len(seq.token_ids), states[seq].tokens)
         rows, step = [seq for seq, _, _ in plan], 0
         while chunks:
             started = time.perf_counter()
@@ -102,10 +104,10 @@ class DraftModel:
                 self.held[seq.slot] = start + len(tokens)
             drafting = [(j, seq) for j, seq in enumerate(rows) if rooms[seq] > step]
             if drafting:
-                self._choose([seq for _, seq in drafting], logits[[j for j, _ in drafting]])
+                self._choose([(seq, states[seq]) for _, seq in drafting], logits[[j for j, _ in drafting]])
             step += 1
             rows = [seq for _, seq in drafting if rooms[seq] > step]
-            chunks = {seq.slot: (seq.draft[-1:], len(seq.token_ids) + step - 1) for seq in rows}
+            chunks = {seq.slot: (states[seq].tokens[-1:], len(seq.token_ids) + step - 1) for seq in rows}
 
     def _plan(self, wanted: list[tuple[Sequence, int]]) -> list[tuple[Sequence, int, int]]:
         """(sequence, catch-up tokens, draft length) for this tick, within the catch-up budget (a sequence
@@ -132,27 +134,28 @@ class DraftModel:
                 return
             self.released(slot)
 
-    def _choose(self, seqs: list[Sequence], logits: torch.Tensor | None) -> None:
+    def _choose(self, drafting: list[tuple[Sequence, DraftState]], logits: torch.Tensor | None) -> None:
         """Append each sequence's next draft token: the argmax for greedy rows, a draw from q for sampled ones."""
-        if not seqs:
+        if not drafting:
             return
-        params = [s.params for s in seqs]
+        choices = [seq.choice for seq, _ in drafting]
+        params = [c.params for c in choices]
         pen = [p.has_penalties for p in params]
-        outs = [s.output_ids + s.draft if p else [] for s, p in zip(seqs, pen)]
-        prompts = [s.token_ids[: s.gen_start] if p else [] for s, p in zip(seqs, pen)]
+        outs = [c.output_ids + st.tokens if p else [] for c, (_, st), p in zip(choices, drafting, pen)]
+        prompts = [c.history if p else [] for c, p in zip(choices, pen)]
         q = self.sampler.distribution(logits, params, outs, prompts)
-        for k, seq in enumerate(seqs):
-            if seq.params.greedy:
-                seq.draft.append(int(q[k].argmax()))
+        for k, (choice, (_, state)) in enumerate(zip(choices, drafting)):
+            if choice.params.greedy:
+                state.tokens.append(int(q[k].argmax()))
                 continue
-            seq.draft.append(int(torch.multinomial(q[k], 1, generator=seq.generator)))
+            state.tokens.append(int(torch.multinomial(q[k], 1, generator=choice.generator)))
             row = q[k : k + 1]
-            seq.draft_q = row if seq.draft_q is None else torch.cat([seq.draft_q, row])
+            state.q = row if state.q is None else torch.cat([state.q, row])
 
-    def drafted_for(self, seq: Sequence) -> bool:
-        """Whether `seq`'s draft this tick is this model's (for the counters)."""
+    def drafted_for(self, seq: Sequence, draft: list[int]) -> bool:
+        """Whether `draft`, `seq`'s draft this tick, is this model's (for the counters)."""
         entry = self.fed.get(seq.slot) if seq.slot is not None else None
-        return entry is not None and entry[0] is seq and entry[2] is seq.draft and bool(seq.draft)
+        return entry is not None and entry[0] is seq and entry[2] is draft and bool(draft)
 
     # ----- after verification --------------------------------------------------------------------
     def sync(self, seq: Sequence) -> None:

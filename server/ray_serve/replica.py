@@ -53,7 +53,7 @@ class Replica:
     # ----- what the ingress calls ------------------------------------------------------------
     def info(self) -> dict:
         """State for `/health` and least-loaded routing (never waits on the engine loop)."""
-        stats = self.ctx._stats()
+        stats = self.ctx.engine_stats()
         load = stats.running + stats.waiting if stats is not None else 0
         return {"replica": self.name, "boot": self.boot, "state": self.ctx.state, "error": self.ctx.error,
                 "pid": os.getpid(), "load": load}

@@ -107,12 +107,13 @@ def test_auto_learns_step_costs_and_caps_drafts_by_them(model):
     engine.add_request("r", prompt(7, 2) * 5, SamplingParams(max_tokens=30, temperature=0), lambda out: None)
     engine.step()  # the prefill
     seq = engine.scheduler.running[0]
-    seq.drafts_kept, seq.drafts_missed = 8.5, 1.5  # 85% kept
+    state = engine.speculative.state(seq)
+    state.kept, state.missed = 8.5, 1.5  # 85% kept
     k = engine.speculative.k
     assert engine.speculative._paced(seq, k) == 4
     engine.speculative.costs = _costs(BF16_AMX)
     assert engine.speculative._paced(seq, k) == 6
-    seq.drafts_kept, seq.drafts_missed = 99, 1
+    state.kept, state.missed = 99, 1
     assert engine.speculative._paced(seq, k) == k
 
 

@@ -232,11 +232,12 @@ def test_auto_prefers_the_model_where_it_pays_more_than_a_lookup(target):
     engine.add_request("r", prompt(9, 3) * 3, greedy(20), lambda out: None)
     engine.step()  # the prefill
     seq = engine.scheduler.running[0]
-    seq.drafts_kept, seq.drafts_missed = 9.0, 1.0  # its model drafts: 90% kept
-    seq.draft, seq.draft_match = list(range(10, 18)), 1  # a 1-token match: ~30% of its first token kept
+    state = spec.state(seq)
+    state.kept, state.missed = 9.0, 1.0  # its model drafts: 90% kept
+    state.tokens, state.match = list(range(10, 18)), 1  # a 1-token match: ~30% of its first token kept
     assert spec._model_pays_more(seq, 8)
-    seq.draft_match = 16  # a 16-token match: 98%
+    state.match = 16  # a 16-token match: 98%
     assert not spec._model_pays_more(seq, 8)
     spec.drafter.token_seconds = 50e-3  # a draft model dearer than the target: never worth it
-    seq.draft_match = 1
+    state.match = 1
     assert not spec._model_pays_more(seq, 8)

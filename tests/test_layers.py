@@ -273,7 +273,7 @@ FIELD_OWNERS = {
 # grammar, a stream's detok, a Chunk's seq): checked
 # only where the assigned object's name says which class it is
 SHARED_NAMES = {"finish_reason", "error", "token_ids", "grammar", "detok", "index", "seq", "request", "params", "tokens", "created", "status", "q",
-                "match", "length", "kept", "missed", "expect", "pause"}
+                "match", "length", "kept", "missed", "expect", "pause", "lora"}
 
 
 def _fields(path: str, cls: str) -> set[str]:

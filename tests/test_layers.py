@@ -2,8 +2,9 @@
 
 Every import counts: module level, inside functions and under TYPE_CHECKING. The layers, lowest first:
 engine.api <- engine.cells, engine.sample, engine.loader <- engine.model <- engine.core <- server, with
-speculative decoding (engine.spec) beside engine.core: it builds on the core's sequences and scheduler, and
-the core imports it only where the engine is put together (CORE_MAY_IMPORT_SPEC).
+speculative decoding (engine.spec) beside engine.core: it reads the core's data (SPEC_MAY_IMPORT_FROM_CORE:
+sequences, the plan, the scheduler's queues) and hands back drafts and verified tokens, and the core imports
+it only where the engine is put together (CORE_MAY_IMPORT_SPEC).
 The server holds the engine through engine.api only; the few places that must build or drive the
 engine's torch side are named in SERVER_MAY_IMPORT. Nothing but a benchmark (or the CLI that runs one)
 imports a benchmark.
@@ -26,7 +27,9 @@ ENGINE_LAYERS = {
     "bench": {"api", "cells", "sample", "loader", "model", "core", "spec"},
 }
 # the core modules that may import engine.spec: the engine, which builds the speculative decoder
-CORE_MAY_IMPORT_SPEC = {"engine.core.engine", "engine.core.sequence"}
+CORE_MAY_IMPORT_SPEC = {"engine.core.engine"}
+# what engine.spec may read of the core: it never applies a token or a finish itself (the engine's update does)
+SPEC_MAY_IMPORT_FROM_CORE = {"engine.core.sequence", "engine.core.plan", "engine.core.scheduler"}
 # server module prefix -> engine modules (beyond engine.api) it may import, and why
 SERVER_MAY_IMPORT = {
     "server.config": ("engine.core.async_engine", "engine.loader.source"),  # builds the engine; pull/models
@@ -144,6 +147,8 @@ def test_engine_layers_point_down():
                 bad.append(f"{mod} -> {target} ({layer} may import only {sorted(ENGINE_LAYERS[layer])})")
             elif layer == "core" and _layer(target) == "spec" and mod not in CORE_MAY_IMPORT_SPEC:
                 bad.append(f"{mod} -> {target} (only {sorted(CORE_MAY_IMPORT_SPEC)} import engine.spec)")
+            elif layer == "spec" and _layer(target) == "core" and target not in SPEC_MAY_IMPORT_FROM_CORE:
+                bad.append(f"{mod} -> {target} (engine.spec reads only {sorted(SPEC_MAY_IMPORT_FROM_CORE)})")
     assert bad == []
 
 
@@ -263,16 +268,19 @@ def test_async_engine_asks_the_engine_not_its_parts():
 
 
 # class -> (the file that defines it, the modules that may assign its fields from outside its own methods):
-# one owner each (its constructor aside), so a field never changes behind its owner's back
+# one owner (two for a Request: the engine makes it, the output processor reports it; its constructor aside), so a
+# field never changes behind its owner's back
 FIELD_OWNERS = {
     "Sequence": ("engine/core/sequence.py", {"engine.core.scheduler"}),
     "Choice": ("engine/core/sequence.py", {"engine.core.output_processor"}),
+    "Request": ("engine/core/sequence.py", {"engine.core.engine", "engine.core.output_processor"}),
     "DraftState": ("engine/spec/state.py", {"engine.spec.decoder", "engine.spec.draft_model"}),
 }
 # field names other classes use too (a CompletionOutput's finish_reason, error and token_ids, a Request's
-# grammar, a stream's detok, a Chunk's seq): checked
+# grammar, a stream's detok, a RequestOutput's finished and usage, a Chunk's seq): checked
 # only where the assigned object's name says which class it is
-SHARED_NAMES = {"finish_reason", "error", "token_ids", "grammar", "detok", "index", "seq", "request", "params", "tokens", "created", "status", "q",
+SHARED_NAMES = {"finish_reason", "error", "token_ids", "grammar", "detok", "prompt_logprobs", "finished", "timing",
+                "prompt_ids", "cached_tokens", "index", "seq", "request", "params", "tokens", "created", "status", "q",
                 "match", "length", "kept", "missed", "expect", "pause", "lora"}
 
 
@@ -301,7 +309,7 @@ def _ownership_breaks(modules: dict[str, Path]) -> list[str]:
     for cls, (path, owners) in FIELD_OWNERS.items():
         fields = _fields(path, cls)
         hint = {"Sequence": ("seq", "child", "parent", "holder", "victim"), "Choice": ("choice", "ch", "first"),
-                "DraftState": ("state",)}[cls]
+                "Request": ("req", "request"), "DraftState": ("state",)}[cls]
         for mod, file in modules.items():
             if mod in owners or not mod.startswith("engine."):
                 continue

@@ -67,14 +67,16 @@ def next_token(engine: Engine, seq_id: str) -> tuple[float, float]:
 
 
 def timed_page_ins(engine: Engine) -> list[float]:
-    """Seconds each call of the engine's pager (cells loaded from disk at admission) took (instruments it)."""
-    took, page_in = [], engine.scheduler.pager
-    if page_in is not None:
-        def timed(*args):
+    """Seconds each admission that loaded cells from disk (`Scheduler.page_in`) took (instruments it)."""
+    took, page_in = [], engine.scheduler.page_in
+    if engine.scheduler.store is not None:
+        def timed(*args, **kwargs):
             t0 = time.perf_counter()
-            page_in(*args)
-            took.append(time.perf_counter() - t0)
-        engine.scheduler.pager = timed
+            gained = page_in(*args, **kwargs)
+            if gained:
+                took.append(time.perf_counter() - t0)
+            return gained
+        engine.scheduler.page_in = timed
     return took
 
 

@@ -34,15 +34,13 @@ from engine.core.embedding import embed
 from engine.core.memory import MemoryAccount
 from engine.core.output_processor import OutputProcessor
 from engine.core.persistent import SequenceTable
-from engine.core.prompt_logprobs import prompt_rows as plp_rows
+from engine.core.plan import Chunk, ModelOutput, SchedulerOutput, flatten
 from engine.core.prompt_logprobs import take_prompt_logprobs
-from engine.core.scheduler import Chunk, Scheduler
+from engine.core.scheduler import Scheduler
 from engine.core.sequence import Choice, Request, Sequence
 from engine.core.state.identity import identity_of
 from engine.core.state.store import DurableStore
 from engine.loader.source import resolve_args, resolve_model
-from engine.model.flat_step import FlatStep, flatten_step
-from engine.model.lora import step_rows
 from engine.model.runner import ModelRunner
 from engine.sample.sampler import Sampler, make_generator
 from engine.spec.decoder import SpeculativeDecoder
@@ -70,26 +68,31 @@ class Engine:
         self.cache = runner.cache
         self.tokenizer = runner.tokenizer
         cfg = self.config
+        if draft is not None and cfg.speculative not in ("auto", "ngram"):
+            raise ValueError("a draft model drafts only with speculative 'auto' or 'ngram'")
+        self.sampler = Sampler()
+        drafter = self._drafter(draft)
+        identity = functools.cache(lambda: identity_of(runner))
+        started = time.perf_counter()
+        store = DurableStore(cfg.state_dir, identity(), cfg.state_max_bytes) if cfg.state_dir is not None else None
         self.scheduler = Scheduler(self.cache, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    prefix_caching=cfg.prefix_caching, prefill_while_decoding=cfg.prefill_while_decoding,
-                                   prefill_backlog_ticks=cfg.prefill_backlog_ticks)
-        self.sampler = Sampler()
+                                   prefill_backlog_ticks=cfg.prefill_backlog_ticks, store=store, mirror=drafter)
         self.requests: dict[str, Request] = {}
         self.eos_ids = _eos_ids(runner)
         self.vocab_size = runner.config.get_text_config().vocab_size
-        self.persistent = _sequence_table(self.scheduler, runner, cfg, self.vocab_size)
+        self.persistent = SequenceTable(self.scheduler, store, identity)
+        if store is not None:
+            _restore(self.persistent, cfg, self.vocab_size, started)
         self.admission = Admission(runner.max_model_len, self.cache.n_cells, self.config.max_queue,
                                    self.vocab_size, self.tokenizer, self.eos_ids, self.config.grammar_timeout_s)
         self.outputs = OutputProcessor(self.scheduler, self.requests, self.eos_ids)
         self.adapters = Adapters(runner.loras, self.scheduler, self.requests, cfg.max_loras, cfg.max_lora_memory)
         self.speculative = None
-        if draft is not None and cfg.speculative not in ("auto", "ngram"):
-            raise ValueError("a draft model drafts only with speculative 'auto' or 'ngram'")
         if cfg.speculative in ("auto", "ngram"):
-            self.speculative = SpeculativeDecoder(self.scheduler, self.sampler, self.outputs,
-                                                  cfg.num_speculative_tokens, runner.max_model_len,
-                                                  always=cfg.speculative == "ngram", persistent=self.persistent.by_id.get,
-                                                  drafter=self._drafter(draft))
+            self.speculative = SpeculativeDecoder(self.scheduler, self.sampler, cfg.num_speculative_tokens,
+                                                  runner.max_model_len, always=cfg.speculative == "ngram",
+                                                  persistent=self.persistent.by_id.get, drafter=drafter)
         self.steps = self.generated_tokens = self.prompt_tokens = 0
         self.memory_account = MemoryAccount([runner] + ([draft] if draft is not None else []),
                                             cfg.max_num_batched_tokens, grammar=self.admission.grammar_cache_bytes,
@@ -244,44 +247,68 @@ class Engine:
         return self.scheduler.has_work()
 
     def step(self) -> list[RequestOutput]:
-        """Run one tick (schedule -> forward -> sample -> process outputs); return its outputs."""
-        outputs: list[RequestOutput] = []
+        """One tick as data handed along (vLLM v1's loop): the scheduler's plan -> the model's output for it
+        -> one update that applies it. Returns the tick's outputs."""
         drafts = self.speculative.propose() if self.speculative is not None else {}
-        chunks = self.scheduler.schedule(drafts)
-        self.outputs.finish_prefills(outputs)
-        if not chunks:
-            return self._settle(outputs)
-        sample_chunks = [c for c in chunks if c.completes and c.seq.wants_logits]
-        prompt_rows = plp_rows(chunks)
-        try:
+        plan = self.scheduler.schedule(drafts)
+        outputs = self.outputs.scheduled(plan)
+        if plan.chunks:
             started = time.perf_counter()
-            logits = self.runner.forward(_flatten(chunks, sample_chunks, prompt_rows))
-        except Exception as exc:  # one bad step fails its requests, never the engine
-            log.exception("forward failed; failing the %d sequences of this step", len(chunks))
-            self.outputs.fail_step(chunks, exc, outputs)
-            return self._settle(outputs)
+            result = self._execute(plan, outputs)
+            if result is not None:
+                self._update(plan, result, outputs)
+                self._observe_cost(plan.chunks, time.perf_counter() - started)
+        return self._settle(outputs)
+
+    def _execute(self, plan: SchedulerOutput, outputs: list[RequestOutput]) -> ModelOutput | None:
+        """The forward over the plan's flat step, its logits split by row kind; None if it failed (then its
+        requests failed: one bad step fails its requests, never the engine)."""
+        try:
+            logits = self.runner.forward(flatten(plan))
+        except Exception as exc:
+            log.exception("forward failed; failing the %d sequences of this step", len(plan.chunks))
+            self.outputs.fail_step(plan.chunks, exc, outputs)
+            return None
         self.steps += 1
-        self.scheduler.advance(chunks)
-        plain = [c for c in sample_chunks if not c.draft]
-        drafted = [c for c in sample_chunks if c.draft]  # rows after the plain ones: 1 + len(draft) each
-        n_sampled = len(plain) + sum(1 + len(c.draft) for c in drafted)
-        if prompt_rows:  # rows after the sampling ones: prompt logprobs (echo, lm-eval)
-            self._take_prompt_logprobs(chunks, prompt_rows, logits[n_sampled:], outputs)
-        if sample_chunks:
+        return ModelOutput.split(plan, logits)
+
+    def _update(self, plan: SchedulerOutput, result: ModelOutput, outputs: list[RequestOutput]) -> None:
+        """Apply a forward's output: cached counts, prompt logprobs, sampled and verified tokens (finishes
+        included), drafted cells kept or dropped; then each request's delta of the tick."""
+        self.scheduler.advance(plan.chunks)
+        if plan.prompt_rows:  # echo, lm-eval
+            self._take_prompt_logprobs(plan.chunks, plan.prompt_rows, result.prompt, outputs)
+        if plan.sampling:
             news: dict[Request, dict] = {}
             try:
-                self._sample(plain, logits[: len(plain)], news, outputs)
-                if drafted:
-                    self.generated_tokens += self.speculative.verify(drafted, logits[len(plain) : n_sampled], news)
+                self._sample(plan.plain, result.plain, news, outputs)
+                self.generated_tokens += self._verify(plan.drafted, result.drafted, news)
             except Exception as exc:  # a sampling/detok bug fails the rows that sampled, not everyone
-                log.exception("sampling failed; failing the %d sequences that sampled", len(sample_chunks))
+                log.exception("sampling failed; failing the %d sequences that sampled", len(plan.sampling))
                 news.clear()
-                self.outputs.fail_step(sample_chunks, exc, outputs)
+                self.outputs.fail_step(plan.sampling, exc, outputs)
             for req, choices in news.items():
                 outputs.append(self.outputs.emit(req, choices))
-        self._observe_cost(chunks, time.perf_counter() - started)
         self.outputs.finish_prefills(outputs)
-        return self._settle(outputs)
+
+    def _verify(self, chunks: list[Chunk], logits: torch.Tensor, news: dict) -> int:
+        """Drafted chunks (1 + len(draft) rows each, in order): each one's verified tokens appended until one
+        ends its choice, the outcome counted, the cells of drafted tokens not kept dropped. Returns the tokens
+        appended."""
+        at = appended = 0
+        for c in chunks:
+            rows, at = logits[at : at + 1 + len(c.draft)], at + 1 + len(c.draft)
+            choice = c.seq.choice
+            if choice is None or choice.request.finished:
+                continue
+            verified = self.speculative.verify(c, rows)
+            kept = self.outputs.append_kept(choice, verified.tokens, verified.logprobs,
+                                            news.setdefault(choice.request, {}))
+            drafts_kept = self.speculative.record(c, verified, kept)
+            self.outputs.count_drafts(choice.request, drafts_kept, len(c.draft) - drafts_kept)
+            self.scheduler.settle_draft(c.seq, c.start + 1 + drafts_kept, c.start + 1 + len(c.draft))
+            appended += kept
+        return appended
 
     # ----- internals -------------------------------------------------------------------------
     def _observe_cost(self, chunks: list[Chunk], seconds: float) -> None:
@@ -291,15 +318,14 @@ class Engine:
             self.speculative.costs.observe(sum(1 + len(c.draft) for c in chunks), seconds)
 
     def _drafter(self, draft: ModelRunner | None) -> DraftModel | None:
-        """The draft model's driver, its pool following the scheduler's cells (Scheduler.mirror)."""
+        """The draft model's driver; its pool follows the scheduler's cells (the scheduler's `mirror`)."""
         if draft is None:
             return None
         check_same_vocabulary(self.runner, draft, str(self.config.draft_model or "given"))
         if draft.cache.max_seqs != self.cache.max_seqs:
             raise ValueError(f"the draft pool has {draft.cache.max_seqs} slots and the target's {self.cache.max_seqs}: "
                              f"build both runners with the same max_seqs")
-        self.scheduler.mirror = DraftModel(draft, self.sampler, self.config.max_num_batched_tokens)
-        return self.scheduler.mirror
+        return DraftModel(draft, self.sampler, self.config.max_num_batched_tokens)
 
     def _settle(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
         """Requests on persistent sequences that ended this tick: the sequences go to the state dir (if any)
@@ -448,37 +474,12 @@ class Engine:
         return self.cache.free_cells() - before
 
 
-def _flatten(chunks: list[Chunk], sample_chunks: list[Chunk], prompt_rows: dict[int, int] | None = None) -> FlatStep:
-    """The flat step, keeping logits only for the chunks that sample (at least one row: 0 means all): one
-    row per plain chunk, then every row (last token + draft) of each drafted chunk, then, in chunk order,
-    the first `prompt_rows[id(chunk)]` rows of chunks whose prompt logprobs are
-    wanted (one arange per such chunk: a loop over chunks, not tokens)."""
-    step = flatten_step({c.seq.slot: (c.token_ids, c.start) for c in chunks})
-    step.lora = step_rows([c.seq.lora for c in chunks], [c.n_tokens + len(c.draft) for c in chunks])
-    sampling = {id(c) for c in sample_chunks}
-    last = step.logits_indices
-    pick = [i for i, c in enumerate(chunks) if id(c) in sampling and not c.draft]
-    drafted = [torch.arange(-len(c.draft), 1) + last[i] for i, c in enumerate(chunks) if id(c) in sampling and c.draft]
-    extra = [torch.arange(prompt_rows[id(c)]) + (last[i] - c.n_tokens + 1)
-             for i, c in enumerate(chunks) if prompt_rows and id(c) in prompt_rows]
-    rows = [last[pick], *drafted, *extra]
-    step.logits_indices = torch.cat(rows) if pick or drafted or extra else last[[0]]
-    step.drafts = bool(drafted)
-    return step
-
-
-def _sequence_table(scheduler: Scheduler, runner: ModelRunner, cfg: EngineArgs, vocab_size: int) -> SequenceTable:
-    """The persistent sequences: in memory, or, with `state_dir`, on disk too and restored from it."""
-    identity = functools.cache(lambda: identity_of(runner))
-    if cfg.state_dir is None:
-        return SequenceTable(scheduler, identity=identity)
-    started = time.perf_counter()
-    table = SequenceTable(scheduler, DurableStore(cfg.state_dir, identity(), cfg.state_max_bytes), identity)
-    scheduler.pager = table.page_in  # saved cells come back from disk when a sequence is scheduled
+def _restore(table: SequenceTable, cfg: EngineArgs, vocab_size: int, started: float) -> None:
+    """With `state_dir`: the persistent sequences saved there come back (their cells at once with `state_eager`,
+    else when each is scheduled: `Scheduler.page_in`)."""
     n_seqs, n_cells = table.restore(vocab_size, eager=cfg.state_eager)
     log.info("state dir %s: restored %d sequences in %.2f s (%s)", cfg.state_dir, n_seqs, time.perf_counter() - started,
              f"{n_cells} tokens with their saved cells loaded" if cfg.state_eager else "cells load when each is used")
-    return table
 
 
 def _eos_ids(runner: ModelRunner) -> list[int]:

@@ -17,7 +17,8 @@ from collections import abc
 from engine.api.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from engine.api.sampling_params import SamplingParams
 from engine.core.detokenizer import choice_text
-from engine.core.scheduler import Chunk, Scheduler
+from engine.core.plan import Chunk, SchedulerOutput
+from engine.core.scheduler import Scheduler
 from engine.core.sequence import Choice, Request
 
 log = logging.getLogger("cellserve.engine")
@@ -74,6 +75,35 @@ class OutputProcessor:
             self.finish(choice, stop[0])
         return out
 
+    def append_kept(self, choice: Choice, tokens: list[int], lps: list, deltas: dict[int, CompletionOutput]) -> int:
+        """A verified draft's tokens, in order, until one ends the choice; merged into the choice's one delta of
+        this tick (`deltas`: index -> delta). Returns how many were appended."""
+        kept = 0
+        for token, lp in zip(tokens, lps):
+            _merge(deltas, choice.index, self.append(choice, token, lp))
+            kept += 1
+            if not choice.live:  # finished on this token
+                break
+        return kept
+
+    def count_drafts(self, req: Request, accepted: int, rejected: int) -> None:
+        """Drafted tokens of `req` kept and refused by a verification (reported in its usage)."""
+        req.accepted_draft_tokens += accepted
+        req.rejected_draft_tokens += rejected
+
+    def scheduled(self, plan: SchedulerOutput) -> list[RequestOutput]:
+        """A plan was made: each request's `cached_tokens` (OpenAI's usage field) is its prompt tokens found in
+        the cache at its first admission (re-admissions after a preemption do not count again), and prefill-only
+        requests done without a forward end. Returns the outputs this made."""
+        for seq, shared in plan.cached:
+            req = seq.request
+            if req is not None and seq.choice.index == 0 and req.cached_tokens is None:
+                history = len(seq.token_ids) - len(req.prompt_ids)
+                req.cached_tokens = max(0, shared - history)
+        outputs: list[RequestOutput] = []
+        self.finish_prefills(outputs)
+        return outputs
+
     def finish(self, choice: Choice, reason: str, error: str | None = None) -> None:
         """End one choice: it keeps its reason, and the scheduler takes its sequence (no choice runs on it)."""
         choice.finish_reason, choice.error = reason, error
@@ -129,6 +159,19 @@ class OutputProcessor:
         for seq in req.live():
             self.finish(seq.choice, "error", f"{type(exc).__name__}: {exc}")
         outputs.append(self.emit(req, {}))
+
+
+def _merge(choices: dict[int, CompletionOutput], index: int, out: CompletionOutput) -> None:
+    """Several tokens of one choice in one tick become one delta."""
+    prev = choices.get(index)
+    if prev is None:
+        choices[index] = out
+        return
+    prev.token_ids = [*prev.token_ids, *out.token_ids]
+    prev.text += out.text
+    if out.logprobs:
+        prev.logprobs = [*(prev.logprobs or []), *out.logprobs]
+    prev.finish_reason, prev.stop_reason = out.finish_reason, out.stop_reason
 
 
 def _end_unforked(req: Request, choices: dict[int, CompletionOutput]) -> None:

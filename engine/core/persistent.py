@@ -8,7 +8,7 @@ verb, because it must first cancel the request running on it.
 With a `DurableStore` (`--state-dir`, engine/core/state/) every change is written before the verb returns
 (fork, truncate, delete; a generation or a create when its request ends: `settled`), idle sequences'
 cells with it, and `restore` brings them all back under the same ids in a new engine: their tokens at
-once, their cells when each is next scheduled (`page_in`, the scheduler's admission), or at once with
+once, their cells when each is next scheduled (`Scheduler.page_in`, at admission), or at once with
 `eager`. `page_in` also brings back, from disk rather than by a recompute, the cells a sequence lost in
 RAM (evicted while idle, preempted). A write the disk refuses is logged and leaves the sequence in memory
 (`save` reports it: StorageFull).
@@ -25,7 +25,7 @@ from engine.core.scheduler import Scheduler
 from engine.core.sequence import Sequence
 from engine.core.state.archive import export_archive, read_archive
 from engine.core.state.records import SequenceRecord
-from engine.core.state.store import DurableStore, load_chunks, restore_cells
+from engine.core.state.store import DurableStore, restore_cells
 
 log = logging.getLogger("cellserve.state")
 
@@ -123,13 +123,6 @@ class SequenceTable:
             n_cells += restore_cells(seq, rec, self.scheduler, self.store.cells.read) if eager else 0
             n_seqs += 1
         return n_seqs, n_cells
-
-    def page_in(self, seq: Sequence, limit: int, reserve: int) -> None:
-        """`Scheduler.pager`: `seq`'s first `limit` tokens get cells shared from the pool or loaded from the
-        saved chunks its tokens begin with (its own, its family's, any sequence's with the same prefix)."""
-        if limit > seq.n_cached:
-            spans = self.store.saved_prefix(seq.token_ids, limit)
-            load_chunks(seq, spans, limit, self.scheduler, self.store.cells.read, reserve)
 
     def family(self, seq_id: str) -> list[Sequence]:
         """`seq_id`'s fork family: its oldest live ancestor and every live sequence forked from it, oldest first."""

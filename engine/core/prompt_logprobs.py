@@ -1,5 +1,5 @@
 """Prompt logprobs (echo + logprobs, vLLM's prompt_logprobs, lm-eval's loglikelihood) come from the same
-step's logits: `prompt_rows` says which rows a step keeps for them, `take_prompt_logprobs` turns those
+step's logits: `plan.prompt_rows` says which rows a step keeps for them, `take_prompt_logprobs` turns those
 rows into the logprobs of the prompt tokens they predict. A request that asks scores every prompt token
 but the first (nothing predicts it) from the logits its own prefill computes, chunk by chunk, with one
 log_softmax / gather / top-k per block of BLOCK_ROWS rows (no loop over tokens beyond building the output
@@ -12,22 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from engine.core.scheduler import Chunk
+from engine.core.plan import Chunk
 
 BLOCK_ROWS = 64  # rows scored at once: the log-softmax and rank temporaries stay BLOCK_ROWS x vocab
-
-
-def prompt_rows(chunks: list[Chunk]) -> dict[int, int]:
-    """id(chunk) -> how many of its first rows predict prompt tokens of a request that wants their
-    logprobs (positions up to the prompt's second-to-last token; the last one's row samples)."""
-    out = {}
-    for c in chunks:
-        req = c.seq.request
-        if req is not None and req.prompt_logprobs is not None and c.seq.choice.index == 0:
-            k = min(c.start + c.n_tokens, len(req.prompt_ids) - 1) - c.start
-            if k > 0:
-                out[id(c)] = k
-    return out
 
 
 def take_prompt_logprobs(chunks: list[Chunk], rows: dict[int, int], logits) -> None:

@@ -15,7 +15,8 @@ running request is never preempted for a waiting one; with every priority 0 (the
 order is first come, first served.
 
 The scheduler is the one owner of cell claims and `n_cached`: the engine asks it to share
-(`share`), cut (`uncache`), record a forward (`set_cached`), retire or release a sequence. With
+(`share`), cut (`uncache`), record a forward (`advance`) and its verified drafts (`settle_draft`),
+retire or release a sequence. With
 prefix caching on, a finished request's sequence is *retired*: it keeps its cells as a cached prefix
 (evicted first, least recently used first, possibly only its tail), and every sequence admitted with
 no cells first shares the longest prefix any holder has cached (`PrefixIndex`, engine/core/prefix_index.py).
@@ -28,8 +29,10 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.cells.cache import CellCache
+from engine.core.plan import Chunk, SchedulerOutput
 from engine.core.prefix_index import BLOCK, PrefixIndex
 from engine.core.sequence import Choice, SeqStatus, Sequence
+from engine.core.state.store import DurableStore, load_chunks
 
 PREFIX_MIN_TOKENS = BLOCK  # a cached prefix shorter than one index block can never be found: not kept
 
@@ -40,23 +43,6 @@ def priority(seq: Sequence) -> int:
 
 
 @dataclass
-class Chunk:
-    seq: Sequence
-    start: int  # first token index (= position) of the chunk
-    n_tokens: int  # of the sequence's own tokens
-    draft: list[int] = field(default_factory=list)  # drafted tokens after them (speculative decoding)
-
-    @property
-    def token_ids(self) -> list[int]:
-        return self.seq.token_ids[self.start : self.start + self.n_tokens] + self.draft
-
-    @property
-    def completes(self) -> bool:
-        """After this chunk every token of the sequence has a cell: its last row gives next-token logits."""
-        return self.start + self.n_tokens == len(self.seq.token_ids)
-
-
-@dataclass
 class StepBudget:
     """One tick being planned: the chunks chosen so far (insertion-ordered; sequences hash by
     identity), their tokens, and the sequences preempted to make room in this very tick."""
@@ -64,6 +50,7 @@ class StepBudget:
     chunks: dict[Sequence, Chunk] = field(default_factory=dict)
     tokens: int = 0
     preempted: set[Sequence] = field(default_factory=set)
+    cached: list[tuple[Sequence, int]] = field(default_factory=list)  # admission lookups: tokens found cached
 
     def add(self, seq: Sequence, n: int, draft: list[int] | None = None) -> None:
         self.chunks[seq] = Chunk(seq, seq.n_cached, n, draft or [])
@@ -84,7 +71,11 @@ class Scheduler:
     """
 
     def __init__(self, cache: CellCache, max_num_seqs: int, max_num_batched_tokens: int, *,
-                 prefix_caching: bool, prefill_while_decoding: int, prefill_backlog_ticks: int):
+                 prefix_caching: bool, prefill_while_decoding: int, prefill_backlog_ticks: int,
+                 store: DurableStore | None = None, mirror=None):
+        """`store`: with a state dir, the saved cells `page_in` loads at admission instead of a recompute.
+        `mirror`: with a draft model, its pool, which follows these cells by slot (`released`, `cut`, `shared`:
+        see engine/spec/draft_model.py); cells loaded from disk it does not get (it prefills them when it drafts)."""
         self.cache = cache
         self.prefix_caching = prefix_caching
         self.prefix = PrefixIndex()
@@ -106,10 +97,8 @@ class Scheduler:
         self._free_slots = list(range(cache.max_seqs))
         heapq.heapify(self._free_slots)
         self.preemptions = 0
-        self.pager = None  # with a state dir: pager(seq, limit, reserve) loads saved cells (see `page_in`)
-        # With a draft model: its own pool follows these cells by slot (`released`, `cut`, `shared`: see
-        # engine/spec/draft_model.py); cells loaded from disk it does not get (it prefills them when it drafts).
-        self.mirror = None
+        self.store = store
+        self.mirror = mirror
 
     # ----- queue -----------------------------------------------------------------------------
     def start(self, seq: Sequence, choice: Choice) -> None:
@@ -195,6 +184,18 @@ class Scheduler:
             self.set_cached(c.seq, c.seq.n_cached + c.n_tokens)
             c.seq.last_used = time.monotonic()
 
+    def settle_draft(self, seq: Sequence, valid: int, claimed: int) -> None:
+        """A verified draft: its cells of positions [valid, claimed) hold tokens that were not kept: drop them
+        (seq_rm) and record what is cached. An idle persistent sequence keeps its last token uncached
+        (Sequence.cache_target). A draft kept whole drops nothing: no pass over the pool then."""
+        if seq.slot is None:
+            return
+        valid = min(valid, len(seq.token_ids) - (1 if seq.persistent and seq.request is None else 0))
+        if valid < claimed or valid < seq.n_cached:
+            self.uncache(seq, valid)
+        else:
+            self.set_cached(seq, valid)
+
     def share(self, src: Sequence, dst: Sequence, upto: int) -> None:
         """`dst` (holding a slot) also owns `src`'s cells of positions [dst.n_cached, upto): no copy.
         The caller guarantees both have the same tokens there, so dst's cells stay [0, upto)."""
@@ -253,17 +254,20 @@ class Scheduler:
         return True
 
     def page_in(self, seq: Sequence, reserve: int = 0) -> int:
-        """Admission, with a state dir (`pager` set): `seq`'s tokens past its cells whose K/V are saved on disk
+        """Admission, with a state dir (`store` given): `seq`'s tokens past its cells whose K/V are saved on disk
         (its own history after a lazy restore or after it lost its cells in RAM, its parent's prefix, any
         saved prefix of its tokens) are loaded instead of recomputed, as far as the pool has room beside the
         `reserve` cells this tick's plan needs (see `load_cells`); never its last token, whose logits are
         needed. A sequence that scores its prompt (`shares_prefix` False) loads nothing, and a plain request
         only with prefix caching on. Returns `seq.n_cached` if it gained any cells, else 0."""
-        if self.pager is None or not seq.shares_prefix or not (seq.persistent or self.prefix_caching) \
+        if self.store is None or not seq.shares_prefix or not (seq.persistent or self.prefix_caching) \
                 or seq.lora is not None:  # an adapter's cells are never saved (engine/core/state/store.py)
             return 0
         before = seq.n_cached
-        self.pager(seq, min(len(seq.token_ids) - 1, seq.cache_target()), reserve)
+        limit = min(len(seq.token_ids) - 1, seq.cache_target())
+        if limit > seq.n_cached:  # shared from the pool, or loaded from the saved chunks its tokens begin with
+            spans = self.store.saved_prefix(seq.token_ids, limit)
+            load_chunks(seq, spans, limit, self, self.store.cells.read, reserve)
         return seq.n_cached if seq.n_cached > before else 0
 
     def read_cells(self, seq: Sequence, p0: int, p1: int):
@@ -350,8 +354,8 @@ class Scheduler:
         self.preemptions += 1
 
     # ----- one tick --------------------------------------------------------------------------
-    def schedule(self, drafts: dict[Sequence, list[int]] | None = None) -> list[Chunk]:
-        """This tick's chunks; `drafts`: guessed next tokens of decoding sequences (speculative decoding), each
+    def schedule(self, drafts: dict[Sequence, list[int]] | None = None) -> SchedulerOutput:
+        """This tick's plan; `drafts`: guessed next tokens of decoding sequences (speculative decoding), each
         carried as far as the budget and the free cells allow."""
         drafts = drafts or {}
         plan = StepBudget()
@@ -379,7 +383,7 @@ class Scheduler:
             if fresh:  # once per admission, as the lookup: the disk past what the pool had
                 seq.lookup_done = True
                 shared = self.page_in(seq, plan.tokens) or shared
-            self._note_cached(seq, shared)
+            plan.cached.append((seq, shared))
             want = seq.cache_target() - seq.n_cached
             n = min(want, budget, prefill)
             if want > 0 and n == 0:
@@ -392,7 +396,7 @@ class Scheduler:
             if n > 0:
                 plan.add(seq, n)
                 budget -= n
-        return list(plan.chunks.values())
+        return SchedulerOutput(list(plan.chunks.values()), plan.cached)
 
     def _prefill_cap(self, decoding: int, running_wants: list[int]) -> int:
         """Prefill tokens a tick may carry beside `decoding` decodes (see __init__ for why)."""
@@ -402,14 +406,6 @@ class Scheduler:
             backlog = sum(w for w in (*running_wants, *waiting_wants) if w > 1)
             cap = max(cap, -(-backlog // self.prefill_backlog_ticks))
         return cap
-
-    def _note_cached(self, seq: Sequence, shared: int) -> None:
-        """A request's `cached_tokens` (OpenAI's usage field): its prompt tokens found in the cache at
-        its first admission (later re-admissions after a preemption do not count again)."""
-        req = seq.request
-        if req is not None and seq.choice.index == 0 and req.cached_tokens is None:
-            history = len(seq.token_ids) - len(req.prompt_ids)
-            req.cached_tokens = max(0, shared - history)
 
     def _draft_room(self, plan: StepBudget, draft: list[int] | None, budget: int) -> list[int]:
         """As much of `draft` as fits the tick's budget and the free cells; drafts never evict or preempt

@@ -11,8 +11,8 @@ tokens in its own history, then in those texts and its siblings' (the other choi
 request, which share its prompt and often its phrasing). The draft rides the ordinary flat step
 as a short chunk after the sequence's last token, on the sequence's own cells, and every drafted
 position's logits come back. `verify` then takes the longest prefix of the draft that the sequence would
-have produced anyway plus the token its first mismatch (or the draft's end) yields, and drops the cells
-of the rejected positions with `seq_rm`.
+have produced anyway plus the token its first mismatch (or the draft's end) yields; the engine's update
+appends them and the scheduler drops the cells of the rejected positions with `seq_rm` (`settle_draft`).
 
 Guarantees:
 - output is token for token the output without speculation, greedy or seeded, wherever the model's
@@ -33,7 +33,7 @@ Guarantees:
   distribution exactly, and is reproducible for a seed, but is not the draw the seed gives without drafts;
 - rows with a grammar do not draft (the grammar's state would have to follow tokens that may be
   rejected); they decode one token as before;
-- after `verify` a sequence's cells hold exactly positions `[0, n_cached)` of its token ids, whether it
+- after a tick's update a sequence's cells hold exactly positions `[0, n_cached)` of its token ids, whether it
   keeps running, finished on an accepted token (EOS, a stop string, max_tokens) or went idle.
 """
 
@@ -42,13 +42,14 @@ from __future__ import annotations
 import logging
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
-from engine.api.outputs import CompletionOutput, TokenLogprob
-from engine.core.output_processor import OutputProcessor
-from engine.core.scheduler import Chunk, Scheduler
-from engine.core.sequence import Choice, Request, Sequence
+from engine.api.outputs import TokenLogprob
+from engine.core.plan import Chunk
+from engine.core.scheduler import Scheduler
+from engine.core.sequence import Choice, Sequence
 from engine.sample.sampler import Sampler, advance
 from engine.spec.costs import (
     DECAY,
@@ -75,16 +76,26 @@ AUTO_MAX_DECODING = 4
 AUTO_MAX_PAUSE = 64
 
 
+@dataclass
+class Verified:
+    """A drafted chunk's verification: the tokens it yields, in order (kept draft tokens, then one more), their
+    logprobs (None where not asked), and whether the draft was the draft model's."""
+
+    tokens: list[int]
+    logprobs: list[TokenLogprob | None]
+    by_model: bool
+
+
 class SpeculativeDecoder:
     """Proposes drafts for the running sequences before a tick and verifies them after its forward."""
 
-    def __init__(self, scheduler: Scheduler, sampler: Sampler, outputs: OutputProcessor, k: int,
+    def __init__(self, scheduler: Scheduler, sampler: Sampler, k: int,
                  max_model_len: int, *, always: bool = True,
                  persistent: Callable[[str], Sequence | None] = lambda seq_id: None, drafter=None):
         """`persistent`: a persistent sequence by id (a fork's parent is a draft source), None if gone.
         `drafter`: a `DraftModel` (engine/spec/draft_model.py) drafting where no model-free draft exists (or,
         under "auto", where it pays more than the lookup: `_model_pays_more`)."""
-        self.scheduler, self.sampler, self.outputs = scheduler, sampler, outputs
+        self.scheduler, self.sampler = scheduler, sampler  # the scheduler: read only (who runs, who waits)
         self.persistent, self.drafter = persistent, drafter
         self.k, self.max_model_len, self.always = k, max_model_len, always
         self.drafted = self.accepted = 0  # tokens proposed / kept, for reports
@@ -209,42 +220,33 @@ class SpeculativeDecoder:
             texts.append((parent.token_ids[seq.fork_at :], seq.fork_at))
         return texts
 
-    def verify(self, chunks: list[Chunk], logits: torch.Tensor,
-               news: dict[Request, dict[int, CompletionOutput]]) -> int:
-        """`logits` holds 1 + len(draft) rows per chunk, in chunk order. Append each sequence's kept
-        tokens through the output processor (which may finish it) and drop the rejected cells; return how
-        many tokens were appended."""
-        at = appended = 0
-        for c in chunks:
-            rows, at = logits[at : at + 1 + len(c.draft)], at + 1 + len(c.draft)
-            seq, req, choice = c.seq, c.seq.request, c.seq.choice
-            if req is None or req.finished:
-                continue
-            state = self.state(seq)
-            q = state.q[: len(c.draft)] if state.q is not None else None
-            tokens, lps = self._accept(choice, c.draft, rows) if q is None else self._accept_drawn(choice, c.draft, rows, q)
-            by_model = self.drafter is not None and self.drafter.drafted_for(seq, state.tokens)
-            start = c.start + 1  # the first drafted position (the chunk's first row is the last real token)
-            kept = 0
-            for token, lp in zip(tokens, lps):
-                out = self.outputs.append(choice, token, lp)
-                self._merge(news.setdefault(req, {}), choice.index, out)
-                kept += 1
-                if not choice.live:  # finished on this token
-                    break
-            appended += kept
-            drafts_kept = min(kept, len(tokens) - 1)  # the last kept token is not a draft's: it has no cell
-            self.drafted += len(c.draft)
-            self.accepted += drafts_kept
-            req.accepted_draft_tokens += drafts_kept
-            req.rejected_draft_tokens += len(c.draft) - drafts_kept
-            if by_model:
-                self.drafter.drafted += len(c.draft)
-                self.drafter.accepted += drafts_kept
-            self._adapt(state, len(c.draft), drafts_kept, by_model)
-            self._trim(seq, start + drafts_kept, start + len(c.draft))
-            state.tokens, state.q = [], None
-        return appended
+    def verify(self, chunk: Chunk, rows: torch.Tensor) -> Verified:
+        """What a drafted chunk's rows (1 + len(draft), in order) yield: the longest prefix of the draft that
+        the sequence would have produced anyway plus the token its first mismatch (or the draft's end) gives.
+        Only the choice's generator moves (as if only the kept rows had been sampled); the caller appends the
+        tokens, then reports with `record` how many it kept."""
+        choice, state = chunk.seq.choice, self.state(chunk.seq)
+        q = state.q[: len(chunk.draft)] if state.q is not None else None
+        if q is None:
+            tokens, lps = self._accept(choice, chunk.draft, rows)
+        else:
+            tokens, lps = self._accept_drawn(choice, chunk.draft, rows, q)
+        by_model = self.drafter is not None and self.drafter.drafted_for(chunk.seq, state.tokens)
+        return Verified(tokens, lps, by_model)
+
+    def record(self, chunk: Chunk, verified: Verified, kept: int) -> int:
+        """`kept` of the verified tokens were appended (a finish may stop short): count the draft's outcome, let
+        the next drafts learn from it (`_adapt`), and forget this tick's draft. Returns the drafted tokens kept
+        (the last appended token is not a draft's: it has no cell)."""
+        state = self.state(chunk.seq)
+        drafts_kept = min(kept, len(verified.tokens) - 1)
+        self.drafted += len(chunk.draft)
+        self.accepted += drafts_kept
+        if verified.by_model:
+            self.drafter.count(len(chunk.draft), drafts_kept)
+        self._adapt(state, len(chunk.draft), drafts_kept, verified.by_model)
+        state.tokens, state.q = [], None
+        return drafts_kept
 
     def _adapt(self, state: DraftState, drafted: int, kept: int, by_model: bool) -> None:
         """What the next drafts learn from this one: a lookup draft's outcome counts for its match length; a
@@ -312,31 +314,6 @@ class SpeculativeDecoder:
             return tokens, [None] * len(tokens)
         lp, top = self.sampler.logprobs(rows[: len(tokens)], torch.tensor(tokens), [par] * len(tokens))
         return tokens, [TokenLogprob(t, v, k or []) for t, v, k in zip(tokens, lp, top)]
-
-    def _trim(self, seq: Sequence, valid: int, claimed: int) -> None:
-        """Cells of positions in [valid, claimed) were drafted and not kept: drop them (seq_rm) and record
-        what is cached. An idle persistent sequence keeps its last token uncached (Sequence.cache_target).
-        A draft kept whole drops nothing: no pass over the pool then."""
-        if seq.slot is None:
-            return
-        valid = min(valid, len(seq.token_ids) - (1 if seq.persistent and seq.request is None else 0))
-        if valid < claimed or valid < seq.n_cached:
-            self.scheduler.uncache(seq, valid)
-        else:
-            self.scheduler.set_cached(seq, valid)
-
-    @staticmethod
-    def _merge(choices: dict[int, CompletionOutput], index: int, out: CompletionOutput) -> None:
-        """Several tokens of one choice in one tick become one delta."""
-        prev = choices.get(index)
-        if prev is None:
-            choices[index] = out
-            return
-        prev.token_ids = [*prev.token_ids, *out.token_ids]
-        prev.text += out.text
-        if out.logprobs:
-            prev.logprobs = [*(prev.logprobs or []), *out.logprobs]
-        prev.finish_reason, prev.stop_reason = out.finish_reason, out.stop_reason
 
 
 def _adapter(seq: Sequence) -> str | None:

@@ -158,6 +158,11 @@ class DraftModel:
         return entry is not None and entry[0] is seq and entry[2] is draft and bool(draft)
 
     # ----- after verification --------------------------------------------------------------------
+    def count(self, drafted: int, accepted: int) -> None:
+        """One of its drafts was verified: `drafted` tokens, `accepted` of them kept."""
+        self.drafted += drafted
+        self.accepted += accepted
+
     def sync(self, seq: Sequence) -> None:
         """Keep only the drafted positions whose token the sequence now has, never past its target cells."""
         slot = seq.slot

@@ -277,7 +277,7 @@ FIELD_OWNERS = {
     "DraftState": ("engine/spec/state.py", {"engine.spec.decoder", "engine.spec.draft_model"}),
 }
 # field names other classes use too (a CompletionOutput's finish_reason, error and token_ids, a Request's
-# grammar, a stream's detok, a RequestOutput's finished and usage, a Chunk's seq): checked
+# grammar, a stream's detok, a RequestOutput's finished and usage, a FlatStep's lora, a Chunk's seq): checked
 # only where the assigned object's name says which class it is
 SHARED_NAMES = {"finish_reason", "error", "token_ids", "grammar", "detok", "prompt_logprobs", "finished", "timing",
                 "prompt_ids", "cached_tokens", "index", "seq", "request", "params", "tokens", "created", "status", "q",

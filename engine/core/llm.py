@@ -1,5 +1,6 @@
 """LLM: the offline batch API over the same Engine the server drives.
 
+    from engine import LLM, SamplingParams
     llm = LLM()                      # the bundled default model (or a folder, a .gguf, a known name)
     outs = llm.generate(["ROMEO:"], SamplingParams(max_tokens=32, temperature=0))
     print(outs[0].outputs[0].text)

@@ -261,14 +261,14 @@ class AsyncEngine:
     async def load_lora(self, name: str, path: str, replace: bool = False) -> AdapterInfo:
         """Load (or with `replace`, reload) an adapter: on the loop thread between two steps, so no step sees
         half of it (reading a PEFT folder takes about as long as a step of a small model)."""
-        return await self._call(lambda: self.engine.adapters.load(name, path, replace))
+        return await self._call(lambda: self.engine.load_lora(name, path, replace))
 
     async def unload_lora(self, name: str) -> AdapterInfo:
-        return await self._call(lambda: self.engine.adapters.unload(name), check_accepting=False)
+        return await self._call(lambda: self.engine.unload_lora(name), check_accepting=False)
 
     def lora_adapters(self) -> list[AdapterInfo]:
         """The loaded adapters as of now (a snapshot list; never waits for the loop)."""
-        return self.engine.adapters.infos()
+        return self.engine.lora_adapters()
 
     # ----- internals -------------------------------------------------------------------------
     def _emitter(self, stream: RequestStream) -> Callable[[RequestOutput], None]:

@@ -16,7 +16,7 @@ import torch
 
 from engine.api.args import EngineArgs
 from engine.api.ids import new_id
-from engine.api.lora import LoraRef
+from engine.api.lora import AdapterInfo, LoraRef
 from engine.api.memory import MemoryReport
 from engine.api.outputs import (
     CompletionOutput,
@@ -438,6 +438,18 @@ class Engine:
     def check_fits(self, prompt_lens: list[int], max_tokens: int, n: int = 1) -> None:
         """`Admission.check_fits` (constants only: any thread)."""
         self.admission.check_fits(prompt_lens, max_tokens, n)
+
+    def load_lora(self, name: str, path: str, replace: bool = False) -> AdapterInfo:
+        """`Adapters.load`: between steps (the caller's loop thread)."""
+        return self.adapters.load(name, path, replace)
+
+    def unload_lora(self, name: str) -> AdapterInfo:
+        """`Adapters.unload`: between steps."""
+        return self.adapters.unload(name)
+
+    def lora_adapters(self) -> list[AdapterInfo]:
+        """The loaded adapters (a snapshot list, safe from any thread)."""
+        return self.adapters.infos()
 
     def cached_prefix_cells(self) -> int:
         """Cells held only by cached prefixes (evictable on demand)."""

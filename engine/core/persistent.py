@@ -159,10 +159,10 @@ class SequenceTable:
         return made
 
     def _adopt(self, rec: SequenceRecord, seq_id: str, parent: str | None) -> Sequence:
-        seq = Sequence(seq_id, list(rec.token_ids), persistent=True, parent=parent, fork_at=rec.fork_at,
+        # its adapter by name: bound to the load it finds when it next runs (uid -1: none yet)
+        lora = LoraBinding(-1, *rec.lora) if rec.lora is not None else None
+        seq = Sequence(seq_id, list(rec.token_ids), persistent=True, parent=parent, fork_at=rec.fork_at, lora=lora,
                        created=rec.created or time.time())
-        if rec.lora is not None:  # its adapter by name: bound to the load it finds when it next runs (uid -1: none yet)
-            seq.lora = LoraBinding(-1, *rec.lora)
         self.by_id[seq_id] = seq
         return seq
 

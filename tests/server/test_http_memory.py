@@ -26,7 +26,7 @@ def test_metrics_report_memory_by_owner():
 
 def test_idle_trim_waits_for_idle_and_trims_once():
     with LiveServer(str(DEFAULT_MODEL_DIR), n_cells=4096) as srv:
-        trim = IdleTrim(srv.ctx._stats, idle_s=0.3, poll_s=0.02).start()
+        trim = IdleTrim(srv.ctx.engine_stats, idle_s=0.3, poll_s=0.02).start()
         body = {"prompt": "ROMEO:", "max_tokens": 120, "stream": True, "ignore_eos": True}
         with srv.client() as c, c.stream("POST", "/v1/completions", json=body) as r:
             assert r.status_code == 200

@@ -5,9 +5,7 @@ and no skipped test where a run must be whole.
 A test may skip itself where what it needs is missing (a browser, the fused kernels, a CPU feature, an
 optional client library), so a user's `make test` on another machine still runs the rest. Where the run
 must be complete (env `CI`, or `CELLSERVE_NO_SKIP`, which `.ci/run` sets), a skip is reported as a
-failure with its reason: a skipped test is not a passing one. The one exception is a test of a CPU feature
-this machine's processor does not have (`skip_without_cpu_feature`): no install step can add AMX to an AMD
-CPU, so such a test is reported as skipped, with the feature named, and runs on every CPU that has it."""
+failure with its reason: a skipped test is not a passing one."""
 
 import os
 
@@ -23,7 +21,6 @@ import pytest
 from tiny_models import save_tiny_model_dir
 
 NO_SKIP = bool(os.environ.get("CI") or os.environ.get("CELLSERVE_NO_SKIP"))
-CPU_LACKS = "this CPU lacks "  # the reason's prefix of the one skip NO_SKIP lets stand (tests/cpu_features.py)
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -33,8 +30,6 @@ def pytest_runtest_makereport(item, call):
     report = outcome.get_result()
     if NO_SKIP and report.skipped and not hasattr(report, "wasxfail"):
         reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
-        if reason.removeprefix("Skipped: ").startswith(CPU_LACKS):
-            return
         report.outcome, report.longrepr = "failed", f"skipped where every test must run (CI / CELLSERVE_NO_SKIP): {reason}"
 
 

@@ -1,13 +1,11 @@
-"""Skipping a test of a CPU feature the processor does not have: the one skip a complete run lets stand.
+"""Which CPU features this processor has, for tests whose exact guarantee depends on one (AMX).
 
-`tests/conftest.py` turns every other skip into a failure under CI / CELLSERVE_NO_SKIP. A test of AMX's
-bitwise row invariance cannot run on an AMD EPYC, whatever is installed; it runs wherever the CPU has the
-feature. Where the CPU has it and the build still cannot use it, the test fails: that is a broken build.
+A test of a guarantee that holds only with a feature checks it bitwise where the CPU has the feature, and
+checks what the code promises instead where it has not (a test never skips for a CPU feature: CI's
+machine is an AMD EPYC without AMX). Where the CPU has AMX and the build cannot use it, the test fails.
 """
 
 from pathlib import Path
-
-import pytest
 
 from engine.model.native.linear import amx_available
 
@@ -22,9 +20,10 @@ def cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
-def require_amx(why: str) -> None:
-    """Skip (reason "this CPU lacks AMX ...") on a CPU without AMX tiles; on one with them, the fused
-    kernels' AMX path must be usable, or the test fails here."""
+def has_amx() -> bool:
+    """Whether this CPU has AMX tiles; where it has them, the fused kernels' AMX path must be usable."""
     if "amx_tile" not in cpu_flags():
-        pytest.skip(f"this CPU lacks AMX (no amx_tile in /proc/cpuinfo): {why}")
+        assert not amx_available(), "amx_linear claims AMX on a CPU whose flags have no amx_tile"
+        return False
     assert amx_available(), "the CPU has AMX but the fused kernels' amx_linear is not usable (a broken build)"
+    return True

@@ -6,7 +6,7 @@ speculative drafts token for token the output without them in bf16 (tests/engine
 
 import pytest
 import torch
-from cpu_features import require_amx
+from cpu_features import has_amx
 from tiny_models import tiny_model
 
 from engine.model.flat_step import flatten_step
@@ -19,7 +19,7 @@ def _prompt(n, seed):
     return torch.randint(3, 100, (n,), generator=g).tolist()
 
 
-def assert_drafted_rows_match_decode(make_runner, prompt) -> None:
+def assert_drafted_rows_match_decode(make_runner, prompt, exact: bool = True) -> None:
     """A sequence's next 9 tokens decoded one step at a time (runners from `make_runner()`) give logits bitwise
     equal to their rows in one step that verifies them as drafts beside another sequence's decode row, this
     sequence's cells lying elsewhere in the pool. `prompt(n, seed)`: n token ids."""
@@ -34,13 +34,17 @@ def assert_drafted_rows_match_decode(make_runner, prompt) -> None:
     step.logits_indices, step.drafts = torch.arange(len(drafts)), True
     verified = together.forward(step)
     for i, row in enumerate(decoded):
-        assert torch.equal(verified[i], row), f"drafted row {i}: max difference {(verified[i] - row).abs().max()}"
+        if exact:
+            assert torch.equal(verified[i], row), f"drafted row {i}: max difference {(verified[i] - row).abs().max()}"
+        else:  # bf16 without AMX: oneDNN past one row, rounded as bf16 rounds
+            torch.testing.assert_close(verified[i].float(), row.float(), atol=5e-2, rtol=5e-2)
 
 
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "int8"])
 @pytest.mark.parametrize("name", ["llama_gqa", "qwen3", "gemma3"])
 def test_a_chunk_of_drafted_rows_gives_the_decode_rows_logits(name, kv_cache_dtype):
-    require_amx("bf16 row invariance needs AMX")
+    exact = has_amx()  # bitwise with AMX (amx_linear); without it only bf16-close (rows.py)
     assert kernels.load(), kernels.why_not()
     model = tiny_model(name).to(torch.bfloat16)
-    assert_drafted_rows_match_decode(lambda: ModelRunner(model, n_cells=256, kv_cache_dtype=kv_cache_dtype), _prompt)
+    assert_drafted_rows_match_decode(lambda: ModelRunner(model, n_cells=256, kv_cache_dtype=kv_cache_dtype), _prompt,
+                                     exact)

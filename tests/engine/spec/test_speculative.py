@@ -7,7 +7,6 @@ nothing may leak. The whole engine suite also runs with `CELLSERVE_SPECULATIVE=n
 
 import pytest
 import torch
-from cpu_features import require_amx
 from engine_support import (
     Collector,
     check_cells_match_sequences,
@@ -56,8 +55,8 @@ def test_greedy_output_is_the_same_with_and_without_drafts(model):
 def test_bf16_greedy_output_is_the_same_with_and_without_drafts():
     """bf16 rounds coarsely: a drafted row that rounded differently from the one-row decode step would flip
     near-tied tokens of a random tiny model within a few dozen steps. Rows of a step up to INVARIANT_ROWS are
-    computed as lone rows (engine/model/native/rows.py: needs AMX for bf16), so the outputs match."""
-    require_amx("bf16 row invariance needs AMX")
+    computed as lone rows (engine/model/native/rows.py: needs AMX for bf16), so the outputs match; without AMX
+    there is no such guarantee, and on these prompts the outputs match all the same (checked on an AMD EPYC)."""
     prompts = [REPEATING, prompt(5, 3) * 4, prompt(3, 4) * 6]
     outs = []
     for spec in (None, "ngram"):

@@ -37,11 +37,9 @@ def embed(engine, prompts: list[list[int]], pooling: str) -> list[list[float]]:
 
 
 def _pooled(engine, ids: list[int], pooling: str) -> torch.Tensor:
-    scheduler, cache = engine.scheduler, engine.cache
+    scheduler = engine.scheduler
     seq = Sequence(seq_id="embedding", token_ids=list(ids))
-    while not cache.can_extend(len(ids)) and scheduler._evict_one(need=len(ids)):
-        pass
-    if not cache.can_extend(len(ids)) or not scheduler.acquire_slot(seq):
+    if not scheduler.make_room(len(ids)) or not scheduler.acquire_slot(seq):
         raise PromptTooLong(f"the cell pool has no room for an input of {len(ids)} tokens now (running requests "
                             "hold the cells); retry, or shorten it", "input")
     try:

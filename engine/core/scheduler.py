@@ -309,6 +309,12 @@ class Scheduler:
     def cached_prefixes(self) -> list[Sequence]:
         return [s for s in self.holders.values() if s.status is SeqStatus.FINISHED]
 
+    def make_room(self, n: int) -> bool:
+        """Evict cached prefixes and idle sequences (never running ones) until `n` more cells fit; whether they do."""
+        while not self.cache.can_extend(n) and self._evict_one(need=n):
+            pass
+        return self.cache.can_extend(n)
+
     def _evict_one(self, exclude: tuple[Sequence | None, ...] = (), need: int | None = None) -> bool:
         """Free cells (or, with `need` None, a slot): the least recently used cached prefix first, cut
         by `need` tokens from its tail when that keeps some of it; else the least recently used

@@ -51,12 +51,17 @@ def _encoded(vector: list[float], encoding_format: str) -> list[float] | str:
     return base64.b64encode(struct.pack(f"<{len(vector)}f", *vector)).decode()
 
 
-@router.post("/v1/embeddings", response_model=None)
-async def embeddings(body: EmbeddingRequest, request: Request) -> dict | Response:
+async def _unless_gone(answer):
+    """The route's answer, or 499 when the client left before its vectors were made."""
     try:
-        return await _embeddings(body, request)
+        return await answer
     except ClientGone:
         return Response(status_code=499)
+
+
+@router.post("/v1/embeddings", response_model=None)
+async def embeddings(body: EmbeddingRequest, request: Request) -> dict | Response:
+    return await _unless_gone(_embeddings(body, request))
 
 
 async def _embeddings(body: EmbeddingRequest, request: Request) -> dict:
@@ -78,10 +83,7 @@ def _cosine(a: list[float], b: list[float]) -> float:
 
 @router.post("/v1/rerank", response_model=None)
 async def rerank(body: RerankRequest, request: Request) -> dict | list | Response:
-    try:
-        return await _rerank(body, request)
-    except ClientGone:
-        return Response(status_code=499)
+    return await _unless_gone(_rerank(body, request))
 
 
 async def _rerank(body: RerankRequest, request: Request) -> dict | list:
@@ -100,10 +102,7 @@ async def _rerank(body: RerankRequest, request: Request) -> dict | list:
 
 @router.post("/v1/score", response_model=None)
 async def score(body: ScoreRequest, request: Request) -> dict | Response:
-    try:
-        return await _score(body, request)
-    except ClientGone:
-        return Response(status_code=499)
+    return await _unless_gone(_score(body, request))
 
 
 async def _score(body: ScoreRequest, request: Request) -> dict:

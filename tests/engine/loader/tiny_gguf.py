@@ -99,6 +99,20 @@ def _norms_away(model, lo: float, hi: float):
     return model
 
 
+def add_default_tokenizer(w) -> None:
+    """The bundled model's byte-level BPE tokenizer as a GGUF writer's `tokenizer.ggml.*` metadata."""
+    tok = json.loads((DEFAULT_MODEL_DIR / "tokenizer.json").read_text())
+    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list([t for t, _ in vocab])
+    w.add_token_types([3 if t.startswith("<|") else 1 for t, _ in vocab])
+    w.add_token_merges([" ".join(m) for m in tok["model"]["merges"]])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(0)
+
+
 def write_llama_gguf(path, model: LlamaForCausalLM, qtype, embed_qtype=None):
     """`model` (a Llama, Qwen3 or Gemma 3) as a llama.cpp GGUF file: linears (and the embedding, `embed_qtype`
     or `qtype`) in `qtype`, or in `qtype(name)` when it is a function of the tensor's name."""
@@ -133,16 +147,7 @@ def write_llama_gguf(path, model: LlamaForCausalLM, qtype, embed_qtype=None):
         w.add_final_logit_softcapping(cfg.final_logit_softcapping)
     w.add_layer_norm_rms_eps(cfg.rms_norm_eps)
     w.add_vocab_size(cfg.vocab_size)
-    tok = json.loads((DEFAULT_MODEL_DIR / "tokenizer.json").read_text())
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([3 if t.startswith("<|") else 1 for t, _ in vocab])
-    w.add_token_merges([" ".join(m) for m in tok["model"]["merges"]])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_pad_token_id(0)
+    add_default_tokenizer(w)
 
     def put(name, t: torch.Tensor, q=None):
         a = t.detach().float().numpy()

@@ -9,7 +9,6 @@ The tokenizer is the bundled model's (tests/engine/loader/tiny_gguf.py), so the 
 """
 
 import copy
-import json
 import sys
 from pathlib import Path
 
@@ -20,8 +19,7 @@ from gguf import quants
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "loader"))  # the GGUF tests' helpers
 from kquants import quantize as quantize_k
-
-from engine.loader.default import DEFAULT_MODEL_DIR
+from tiny_gguf import add_default_tokenizer
 
 Q = gguf.GGMLQuantizationType
 K_TYPES = {Q.Q4_K, Q.Q5_K, Q.Q6_K}
@@ -69,16 +67,7 @@ def _header(w, cfg, arch: str) -> None:
         w.add_expert_count(cfg.num_local_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
         w.add_rope_dimension_count(cfg.hidden_size // cfg.num_attention_heads)
-    tok = json.loads((DEFAULT_MODEL_DIR / "tokenizer.json").read_text())
-    vocab = sorted(tok["model"]["vocab"].items(), key=lambda kv: kv[1])
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list([t for t, _ in vocab])
-    w.add_token_types([3 if t.startswith("<|") else 1 for t, _ in vocab])
-    w.add_token_merges([" ".join(m) for m in tok["model"]["merges"]])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_pad_token_id(0)
+    add_default_tokenizer(w)
 
 
 def write_moe_gguf(path, model, qtype, extra: dict | None = None):

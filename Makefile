@@ -44,7 +44,9 @@ soak: $(STAMP)
 
 # The image: a base from Debian packages (docker/base.sh, mmdebstrap), the host's pip settings and CPU torch wheel
 # (docker/prepare_context.py), the legacy builder with the host's network (pip reaches the host's index), then
-# tests/docker/ runs containers of it. Needs a Docker daemon, mmdebstrap and the package index.
+# tests/docker/ runs containers of it (and compose.yaml's stacks: the ray profile's image, cellserve:ray, is the same
+# build with the `ray` extra; it shares every layer up to the dependencies). Needs a Docker daemon, docker-compose,
+# mmdebstrap and the package index.
 DOCKER_BASE ?= cellserve-base:bookworm
 DOCKER_PROXY := $(foreach v,HTTP_PROXY HTTPS_PROXY NO_PROXY http_proxy https_proxy no_proxy,$(if $($(v)),--build-arg $(v)))
 docker-test: $(STAMP)
@@ -52,6 +54,8 @@ docker-test: $(STAMP)
 	$(BIN)/python docker/prepare_context.py
 	DOCKER_BUILDKIT=0 docker build --network host --build-arg BASE=$(DOCKER_BASE) $(DOCKER_PROXY) \
 		-f docker/Dockerfile -t cellserve:cpu .
+	DOCKER_BUILDKIT=0 docker build --network host --build-arg BASE=$(DOCKER_BASE) $(DOCKER_PROXY) \
+		--build-arg EXTRAS=ray -f docker/Dockerfile -t cellserve:ray .
 	$(BIN)/python -m pytest -m docker -o addopts='-q' tests/docker
 
 lint: $(STAMP)

@@ -38,7 +38,8 @@ if TYPE_CHECKING:  # the server never imports the engine (torch) at run time; it
 def build_app(engine: Union["EngineClient", EngineFactory], *, served_model_name: str | None = None,
               api_key: str | None = None, shutdown_grace_s: float = 30.0, on_fatal=None,
               limits: Limits | None = None, ui: bool = True, state_dir: str | None = None,
-              cors_origins: list[str] | None = None, pooling: str | None = None) -> FastAPI:
+              cors_origins: list[str] | None = None, pooling: str | None = None,
+              rerank_mode: str = "cosine") -> FastAPI:
     """The HTTP app over `engine` (an EngineClient, or a zero-argument callable that builds one).
 
     `on_fatal(reason)` is called if the model fails to load or the engine loop dies (the CLI exits
@@ -50,7 +51,9 @@ def build_app(engine: Union["EngineClient", EngineFactory], *, served_model_name
     stored responses are kept in `state_dir/responses` and come back after a restart. Every OpenAI route is
     also served without `/v1` (`server.middleware.WithoutV1`). `cors_origins` (`--cors-origins`): the origins
     whose pages may call the server (`*`: any); None or empty: same-origin only (no CORS headers at all).
-    `pooling` (`--pooling`): how /v1/embeddings pools hidden states (last, mean, cls; None: last)."""
+    `pooling` (`--pooling`): how /v1/embeddings pools hidden states (last, mean, cls; None: last).
+    `rerank_mode` (`--rerank-mode`): how /v1/rerank and /v1/score score a pair: `cosine` of the two vectors, or
+    `yes-no`, a causal reranker's P(yes) (server/embeddings/yes_no.py)."""
     ctx = ServerContext(engine, served_model_name=served_model_name, api_key=api_key,
                         shutdown_grace_s=shutdown_grace_s, on_fatal=on_fatal, limits=limits, state_dir=state_dir)
 
@@ -67,6 +70,7 @@ def build_app(engine: Union["EngineClient", EngineFactory], *, served_model_name
                   description="Multi-sequence LLM inference over one shared pool of KV cells.", **docs)
     app.state.ctx = ctx
     app.state.pooling = pooling
+    app.state.rerank_mode = rerank_mode
     ctx.metrics.registry.register(adapter_routes.AdapterCollector(ctx))
     install_error_handlers(app)
     app.include_router(ops_routes.public, responses=ERROR_RESPONSES)

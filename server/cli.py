@@ -61,6 +61,16 @@ def _lora_module(text: str) -> tuple[str, str]:
     return name, path
 
 
+def _replicas(text: str) -> str:
+    from server.ray_serve.routing import parse_replicas  # no Ray: the flag is checked before Ray is imported
+
+    try:
+        parse_replicas(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from exc
+    return text
+
+
 def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
@@ -91,6 +101,10 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--pooling", default=None, choices=["last", "mean", "cls"],
                    help="how /v1/embeddings (and /v1/rerank, /v1/score) pool a text's final hidden states into one "
                         "vector (default: last, the token that has read the whole text)")
+    p.add_argument("--rerank-mode", default="cosine", choices=["cosine", "yes-no"],
+                   help="how /v1/rerank and /v1/score score a (query, document) pair: cosine of their vectors "
+                        "(default), or yes-no: P(yes) from the model's 'yes'/'no' logits after a judging prompt, "
+                        "as Qwen3-Reranker-style causal rerankers are served")
     p.add_argument("--threads", type=_positive_int, default=None, help="torch CPU threads")
     p.add_argument("--dtype", default=ENGINE.dtype, choices=["auto", "float32", "bfloat16", "float16", "quantized"],
                    help="model dtype (auto: a float model in bfloat16 on CPUs with AVX512-BF16 or AMX, "
@@ -155,8 +169,14 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--no-ui", action="store_true", help="do not serve the chat page at / (GET / is then 404)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     scale = p.add_argument_group("scale-out on Ray Serve (pip install 'cellserve[ray]')")
-    scale.add_argument("--replicas", type=_positive_int, default=None,
-                       help="run N engine replicas behind one endpoint (Ray Serve); see README 'Scale-out'")
+    scale.add_argument("--replicas", type=_replicas, default=None,
+                       help="N engine replicas, or auto:MIN-MAX (Serve's autoscaling), behind Ray Serve's HTTP "
+                            "proxy on --host:--port; see README 'Scale-out'")
+    scale.add_argument("--target-ongoing-requests", type=_positive_int, default=8,
+                       help="with --replicas auto:MIN-MAX: requests per replica Serve's autoscaler aims at")
+    scale.add_argument("--downscale-delay", type=float, default=60.0,
+                       help="with --replicas auto:MIN-MAX: seconds of low load before a replica is removed "
+                            "(its sequences move to the others first)")
     scale.add_argument("--ray-address", default=None, help="join this Ray cluster (default: start a local Ray)")
     scale.add_argument("--threads-per-replica", type=_positive_int, default=None,
                        help="torch threads (and Ray CPUs) per replica")
@@ -181,7 +201,7 @@ def run_server(args: argparse.Namespace) -> int:
     app = build_app(engine_factory(args), served_model_name=args.served_model_name, api_key=args.api_key,
                     shutdown_grace_s=args.shutdown_grace, on_fatal=on_fatal, limits=limits_of(args),
                     ui=not args.no_ui, state_dir=state_dir_of(args), cors_origins=args.cors_origins,
-                    pooling=args.pooling)
+                    pooling=args.pooling, rerank_mode=args.rerank_mode)
     ctx = app.state.ctx
     ctx.metrics.memory.trim = idle_trim_from_env(ctx.engine_stats)  # malloc_trim once idle (server/memory.py)
 

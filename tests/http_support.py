@@ -46,9 +46,11 @@ class LiveServer:
     """`with LiveServer(model_dir, n_cells=...) as srv:` -> srv.url, srv.client(), srv.cache()."""
 
     def __init__(self, model_dir: str, *, api_key: str | None = None, grace_s: float = 2.0, factory=None,
-                 limits=None, cors_origins=None, pooling=None, **engine_kw):
+                 limits=None, cors_origins=None, pooling=None, rerank_mode="cosine",
+                 **engine_kw):
         """`factory`: build the engine lazily through it instead (the app loads it in the background).
-        `limits`: a `server.limits.Limits` (request limits), else the defaults. `cors_origins`, `pooling`: as --cors-origins, --pooling."""
+        `limits`: a `server.limits.Limits` (request limits), else the defaults. `cors_origins`, `pooling`,
+        `rerank_mode`: as --cors-origins, --pooling, --rerank-mode."""
         engine_kw.setdefault("n_cells", 2048)
         # float32, as the references (Greedy, the cacheless oracles) run: `auto` would be bf16 on CPUs with
         # AVX512-BF16, whose rounding can turn a near-tie of the tiny model's logits (tests/engine/api/test_cpu.py
@@ -59,7 +61,8 @@ class LiveServer:
         self.state_dir = engine_kw.get("state_dir")
         self.app = build_app(factory or self.engine, served_model_name=MODEL_NAME, api_key=api_key,
                              shutdown_grace_s=grace_s, limits=limits, on_fatal=self.fatal.append,
-                             state_dir=engine_kw.get("state_dir"), cors_origins=cors_origins, pooling=pooling)
+                             state_dir=engine_kw.get("state_dir"), cors_origins=cors_origins, pooling=pooling,
+                             rerank_mode=rerank_mode)
         self.ctx = self.app.state.ctx
         self.sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

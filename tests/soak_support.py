@@ -74,9 +74,7 @@ class ServerProcess:
 
     def start(self, timeout: float = 180) -> None:
         """Spawn the server and return once GET /health is 200 (503 while loading is expected)."""
-        # oneDNN caches one primitive per matmul shape, up to 1,024 of them: bounded, but a soak's random
-        # row counts fill it for many rounds and hide a leak of ours; a small cache keeps RSS ours.
-        env = {**os.environ, "PYTHONPATH": str(ROOT), "ONEDNN_PRIMITIVE_CACHE_CAPACITY": "64"}
+        env = {**os.environ, "PYTHONPATH": str(ROOT)}  # oneDNN's caches: the engine's bounds (engine/model/onednn.py)
         with open(self.log_path, "w") as out:
             self.proc = subprocess.Popen(self.cmd, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env)
         deadline = time.monotonic() + timeout

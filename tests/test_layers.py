@@ -3,8 +3,8 @@
 Every import counts: module level, inside functions and under TYPE_CHECKING. The layers, lowest first:
 engine.api <- engine.cells, engine.sample, engine.loader <- engine.model <- engine.core <- server, with
 speculative decoding (engine.spec) beside engine.core: it reads the core's data (SPEC_MAY_IMPORT_FROM_CORE:
-sequences, the plan, the scheduler's queues) and hands back drafts and verified tokens, and the core imports
-it only where the engine is put together (CORE_MAY_IMPORT_SPEC).
+sequences and the plan's types, the scheduler's queues only through `Scheduler.queues()`) and hands back drafts and
+verified tokens, and the core imports it only where the engine is put together (CORE_MAY_IMPORT_SPEC).
 The server holds the engine through engine.api only; the few places that must build or drive the
 engine's torch side are named in SERVER_MAY_IMPORT. Nothing but a benchmark (or the CLI that runs one)
 imports a benchmark.
@@ -28,8 +28,9 @@ ENGINE_LAYERS = {
 }
 # the core modules that may import engine.spec: the engine, which builds the speculative decoder
 CORE_MAY_IMPORT_SPEC = {"engine.core.engine"}
-# what engine.spec may read of the core: it never applies a token or a finish itself (the engine's update does)
-SPEC_MAY_IMPORT_FROM_CORE = {"engine.core.sequence", "engine.core.plan", "engine.core.scheduler"}
+# what engine.spec may read of the core: it never applies a token or a finish itself (the engine's update does),
+# and it does not hold the scheduler: who runs and who waits come from `Scheduler.queues()` (plan.Queues)
+SPEC_MAY_IMPORT_FROM_CORE = {"engine.core.sequence", "engine.core.plan"}
 # server module prefix -> engine modules (beyond engine.api) it may import, and why
 SERVER_MAY_IMPORT = {
     "server.config": ("engine.core.async_engine", "engine.loader.source"),  # builds the engine; pull/models
@@ -274,6 +275,7 @@ FIELD_OWNERS = {
     "Sequence": ("engine/core/sequence.py", {"engine.core.scheduler"}),
     "Choice": ("engine/core/sequence.py", {"engine.core.output_processor"}),
     "Request": ("engine/core/sequence.py", {"engine.core.engine", "engine.core.output_processor"}),
+    "RequestMetrics": ("engine/core/sequence.py", {"engine.core.output_processor"}),
     "DraftState": ("engine/spec/state.py", {"engine.spec.decoder", "engine.spec.draft_model"}),
 }
 # field names other classes use too (a CompletionOutput's finish_reason, error and token_ids, a Request's
@@ -309,7 +311,7 @@ def _ownership_breaks(modules: dict[str, Path]) -> list[str]:
     for cls, (path, owners) in FIELD_OWNERS.items():
         fields = _fields(path, cls)
         hint = {"Sequence": ("seq", "child", "parent", "holder", "victim"), "Choice": ("choice", "ch", "first"),
-                "Request": ("req", "request"), "DraftState": ("state",)}[cls]
+                "Request": ("req", "request"), "RequestMetrics": ("metrics", "m"), "DraftState": ("state",)}[cls]
         for mod, file in modules.items():
             if mod in owners or not mod.startswith("engine."):
                 continue
@@ -331,3 +333,51 @@ def test_the_ownership_check_sees_a_foreign_write(tmp_path):
     rogue = tmp_path / "rogue.py"
     rogue.write_text("def f(seq, state):\n    seq.n_cached, x = 3, 4\n    state.kept += 1\n")
     assert len(_ownership_breaks({"engine.core.rogue": rogue})) == 2
+
+
+# class -> (its file, the names its objects go by, the module prefixes that may read its state from outside its own
+# methods): the state is what its __init__ sets on self (the scheduler's queues, slots, prefix index, ...); every
+# other module asks a method. engine.spec reads who runs and who waits through `Scheduler.queues()` only.
+STATE_READERS = {
+    "Scheduler": ("engine/core/scheduler.py", ("scheduler", "sched"), ("engine.core.", "engine.bench.")),
+}
+
+
+def _state(path: str, cls: str) -> set[str]:
+    tree = ast.parse((ROOT / path).read_text())
+    node = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls)
+    init = next(n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == "__init__")
+    return {t.attr for n in ast.walk(init) if isinstance(n, ast.Assign | ast.AnnAssign)
+            for t in (n.targets if isinstance(n, ast.Assign) else [n.target])
+            if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self"}
+
+
+def _state_reads(modules: dict[str, Path]) -> list[str]:
+    bad = []
+    for cls, (path, names, readers) in STATE_READERS.items():
+        state = _state(path, cls)
+        for mod, file in modules.items():
+            if not mod.startswith("engine.") or (ROOT / path) == file or mod.startswith(readers):
+                continue
+            for node in ast.walk(ast.parse(file.read_text(), str(file))):
+                if not isinstance(node, ast.Attribute) or not (node.attr in state or node.attr.startswith("_")):
+                    continue
+                held = node.value
+                name = held.id if isinstance(held, ast.Name) else held.attr if isinstance(held, ast.Attribute) else ""
+                if name in names:
+                    bad.append(f"{mod}: {ast.unparse(node)} ({cls}'s state: ask one of its methods)")
+    return bad
+
+
+def test_spec_reads_no_scheduler_state():
+    """engine.spec asks `Scheduler.queues()` (handed to the decoder at construction) for who runs and how many
+    wait; it never reads the scheduler's lists, slots or prefix index, nor anything private of it."""
+    assert _state_reads(_modules()) == []
+
+
+def test_the_state_check_sees_a_foreign_read(tmp_path):
+    """The check can fail: a made-up spec module that reads the scheduler's queues and a private is caught."""
+    rogue = tmp_path / "rogue.py"
+    rogue.write_text("def f(self, sched):\n    return self.scheduler.running, sched.waiting, sched._free_slots\n")
+    assert len(_state_reads({"engine.spec.rogue": rogue})) == 3
+    assert _state_reads({"engine.core.rogue": rogue}) == []

@@ -62,6 +62,7 @@ class RequestOutput:
     # speculative decoding so far: drafted tokens kept / thrown away (usage.completion_tokens_details)
     accepted_draft_tokens: int = 0
     rejected_draft_tokens: int = 0
+    embedding: list[float] | None = None  # an embedding request's unit vector, on its last output
 
 
 @dataclass

@@ -25,11 +25,13 @@ from pathlib import Path
 
 from engine.api.args import EngineArgs
 from engine.api.errors import EngineUnavailable, RequestNotFound
+from engine.api.ids import new_id
 from engine.api.lora import AdapterInfo, LoraRef
 from engine.api.memory import MemoryReport
 from engine.api.outputs import EngineStats, RequestOutput, SequenceInfo
 from engine.api.sampling_params import SamplingParams
 from engine.core.detokenizer import OutputDetokenizer, context_ids
+from engine.core.embedding import check_embeddings, vector_of
 from engine.core.engine import Engine
 from engine.loader.source import resolve_args
 
@@ -232,9 +234,26 @@ class AsyncEngine:
         """Cells held only by cached prefixes (evictable on demand), counted on the loop thread."""
         return await self._call(self.engine.cached_prefix_cells, check_accepting=False)
 
-    async def embed(self, prompts: list[list[int]], pooling: str) -> list[list[float]]:
-        """Each prompt's pooled final hidden state (unit length), computed between ticks on borrowed cells."""
-        return await self._call(lambda: self.engine.embed(prompts, pooling))
+    async def embed(self, prompts: list[list[int]], pooling: str, score_tokens: list[int] | None = None
+                    ) -> list[list[float]]:
+        """Each prompt's pooled final hidden state (unit length), or with `score_tokens` its last-token logits of
+        those tokens: embedding requests whose rows run in the flat step beside generation (engine/core/embedding.py). Raises before any forward what can never run; if the
+        caller is cancelled (its client left), the ones still in flight are cancelled."""
+        streams = [RequestStream(new_id("emb")) for _ in prompts]
+        emits = [self._emitter(s) for s in streams]
+
+        def add() -> list[str]:
+            check_embeddings(self.engine, prompts, pooling, score_tokens)  # all or none: refused before any is queued
+            return [self.engine.add_embedding(s.request_id, p, pooling, emit, score_tokens).request_id
+                    for s, p, emit in zip(streams, prompts, emits)]
+
+        ids = await self._call(add, undo=lambda ids: [self.engine.cancel(i) for i in ids])
+        try:
+            return [vector_of(await _last(s)) for s in streams]
+        except asyncio.CancelledError:
+            for request_id in ids:
+                self.cancel_nowait(request_id)
+            raise
 
     async def clear_prefix_cache(self) -> int:
         """Drop every cached prefix (live and idle sequences keep their cells); the cells freed."""
@@ -391,6 +410,14 @@ class AsyncEngine:
         self._fail_queued()
         if self.on_failure is not None:
             self.on_failure(self.failure)
+
+
+async def _last(stream: RequestStream) -> RequestOutput:
+    """A stream's last output (an embedding sends one, with its vector)."""
+    out = None
+    async for out in stream:
+        pass
+    return out
 
 
 def _deliver(items: list[tuple[RequestStream, RequestOutput]]) -> None:

@@ -4,8 +4,9 @@ The synchronous core. `step()` schedules a flat step (`Scheduler`), runs the mod
 cells (`ModelRunner`), samples every row that needs a token (`Sampler`), and turns the tokens into
 `RequestOutput` deltas for each request's `emit` callback (`OutputProcessor`). Commands (add, fork,
 cancel, delete, truncate) are plain method calls made between steps: admission rules live in
-`engine.api.sampling_params`, persistent-sequence verbs in `engine.core.persistent`. `AsyncEngine`
-(engine/core/async_engine.py) runs this on a thread and queues the commands to the step boundary.
+`engine.core.admission`, the persistent-sequence verbs in `engine.core.sequence_verbs` (their work in
+`engine.core.persistent`), what the engine reports (limits, stats, memory) in `engine.core.engine_reports`.
+`AsyncEngine` (engine/core/async_engine.py) runs this on a thread and queues the commands to the step boundary.
 """
 
 import functools
@@ -16,21 +17,19 @@ import torch
 
 from engine.api.args import EngineArgs
 from engine.api.ids import new_id
-from engine.api.lora import AdapterInfo, LoraRef
-from engine.api.memory import MemoryReport
+from engine.api.lora import AdapterInfo
 from engine.api.outputs import (
     CompletionOutput,
-    EngineStats,
     PromptLogprobs,
     RequestOutput,
-    SequenceInfo,
     TokenLogprob,
 )
 from engine.api.sampling_params import SamplingParams
 from engine.core.adapters import Adapters
 from engine.core.admission import Admission
 from engine.core.detokenizer import IncrementalDetokenizer
-from engine.core.embedding import embed
+from engine.core.embedding import Pooler, check_embeddings, embed, new_embedding
+from engine.core.engine_reports import EngineReports
 from engine.core.memory import MemoryAccount
 from engine.core.output_processor import OutputProcessor
 from engine.core.persistent import SequenceTable
@@ -38,6 +37,7 @@ from engine.core.plan import Chunk, ModelOutput, SchedulerOutput, flatten
 from engine.core.prompt_logprobs import take_prompt_logprobs
 from engine.core.scheduler import Scheduler
 from engine.core.sequence import Choice, Request, Sequence
+from engine.core.sequence_verbs import SequenceVerbs
 from engine.core.state.identity import identity_of
 from engine.core.state.store import DurableStore
 from engine.loader.source import resolve_args, resolve_model
@@ -52,7 +52,7 @@ log = logging.getLogger("cellserve.engine")
 WARMUP_PREFILL = 256
 
 
-class Engine:
+class Engine(SequenceVerbs, EngineReports):
     """Continuous batching over one cell pool. Not thread-safe: one caller (or the AsyncEngine loop).
 
     Guarantees: a request that can never fit is refused at `add_request`; one failing forward
@@ -87,10 +87,11 @@ class Engine:
         self.admission = Admission(runner.max_model_len, self.cache.n_cells, self.config.max_queue,
                                    self.vocab_size, self.tokenizer, self.eos_ids, self.config.grammar_timeout_s)
         self.outputs = OutputProcessor(self.scheduler, self.requests, self.eos_ids)
+        self.pooler = Pooler(runner.logits_of)
         self.adapters = Adapters(runner.loras, self.scheduler, self.requests, cfg.max_loras, cfg.max_lora_memory)
         self.speculative = None
         if cfg.speculative in ("auto", "ngram"):
-            self.speculative = SpeculativeDecoder(self.scheduler, self.sampler, cfg.num_speculative_tokens,
+            self.speculative = SpeculativeDecoder(self.scheduler.queues, self.sampler, cfg.num_speculative_tokens,
                                                   runner.max_model_len, always=cfg.speculative == "ngram",
                                                   persistent=self.persistent.by_id.get, drafter=drafter)
         self.steps = self.generated_tokens = self.prompt_tokens = 0
@@ -124,11 +125,6 @@ class Engine:
                 draft.warm_up(min(WARMUP_PREFILL, args.max_num_batched_tokens), 0)
         return cls(runner, args, draft)
 
-    @property
-    def sequences(self) -> dict[str, Sequence]:
-        """Persistent sequences by id (read-only use: the verbs below change them)."""
-        return self.persistent.by_id
-
     # ----- requests --------------------------------------------------------------------------
     def add_request(self, request_id, prompt_ids, params: SamplingParams, emit=None, seq_id=None, *,
                     detokenize: bool = True) -> Request:
@@ -141,10 +137,8 @@ class Engine:
         seq = self.persistent.get(seq_id) if seq_id is not None else None
         grammar = self.admission.admit(request_id, prompt_ids, params, seq, in_flight=self.requests,
                                        n_waiting=len(self.scheduler.waiting), detokenize=detokenize)
-        # max_tokens 0 asks for no token (SamplingParams' contract): the prompt is cached, nothing sampled.
-        req = Request(request_id, list(prompt_ids), params, emit or (lambda out: None),
-                      prefill_only=params.max_tokens == 0, detokenize=detokenize)
-        req.grammar = grammar
+        req = Request(request_id, list(prompt_ids), params, emit or (lambda out: None), detokenize=detokenize,
+                      grammar=grammar)
         if params.prompt_logprobs is not None:  # the first token has no logprob: nothing predicts it
             req.prompt_logprobs = PromptLogprobs(list(prompt_ids[:1]), [None], [None])
         lora = self.adapters.bind(params.lora, seq)
@@ -156,6 +150,23 @@ class Engine:
             req.persistent_seq = seq
         self._start(req, seq, 0)
         req.children_pending = params.n - 1
+        self.requests[request_id] = req
+        self.prompt_tokens += len(prompt_ids)
+        return req
+
+    def embed(self, prompts: list[list[int]], pooling: str, score_tokens: list[int] | None = None) -> list[list[float]]:
+        """Pooled, unit-length final hidden states of each prompt (or its last-token logits of `score_tokens`),
+        stepping until they are made (a synchronous caller's way; `add_embedding` queues one)."""
+        return embed(self, prompts, pooling, score_tokens)
+
+    def add_embedding(self, request_id: str, prompt_ids: list[int], pooling: str, emit,
+                      score_tokens: list[int] | None = None) -> Request:
+        """Queue an embedding of `prompt_ids` (engine/core/embedding.py): its rows run in the flat step, and its
+        last output carries the vector (with `score_tokens`: the last row's logits of those tokens). Raises
+        (changing nothing) if it cannot be served."""
+        check_embeddings(self, [prompt_ids], pooling, score_tokens)
+        req, seq = new_embedding(request_id, prompt_ids, pooling, emit, score_tokens)
+        self._start(req, seq, 0)
         self.requests[request_id] = req
         self.prompt_tokens += len(prompt_ids)
         return req
@@ -188,60 +199,6 @@ class Engine:
         """The tokens an in-flight request's output follows: its prompt, after the history of the sequence it continues."""
         return list(self.requests[request_id].choices[0].seq.token_ids)
 
-    # ----- persistent sequences (engine.core.persistent) -------------------------------------------
-    def create_sequence(self, prompt_ids, emit=None, lora: LoraRef | None = None) -> tuple[Sequence, Request]:
-        """A new persistent sequence, prefilled as soon as it is scheduled (a max_tokens=0 request on it), under
-        the adapter `lora` names (None: the base model) for its whole life."""
-        seq = self.persistent.new()
-        try:
-            req = self.add_request(new_id("prefill"), prompt_ids, SamplingParams(max_tokens=0, lora=lora), emit,
-                                   seq.seq_id)
-        except Exception:
-            del self.persistent.by_id[seq.seq_id]  # refused: nothing was created
-            raise
-        return seq, req
-
-    def fork(self, seq_id: str, at: int | None = None, lora: LoraRef | None = None) -> Sequence:
-        """A new sequence sharing `seq_id`'s first `at` tokens and their cells, under the parent's LoRA adapter;
-        `lora` naming another adapter: under that one, its tokens recomputed (no cells shared)."""
-        binding = self.adapters.bind(lora, self.persistent.get(seq_id)) if lora is not None else None
-        child = self.persistent.fork(seq_id, at)  # refused above (an unknown adapter) before anything is made
-        if lora is not None:
-            self.adapters.rebind(child, binding)
-        return child
-
-    def truncate(self, seq_id: str, length: int) -> Sequence:
-        return self.persistent.truncate(seq_id, length)
-
-    def delete(self, seq_id: str) -> None:
-        seq = self.persistent.get(seq_id)
-        if seq.request is not None:
-            self.cancel(seq.request.request_id)
-        self.persistent.drop(seq_id)
-
-    def sequence_info(self, seq_id: str) -> SequenceInfo:
-        return self.persistent.info(seq_id)
-
-    def save_sequence(self, seq_id: str) -> SequenceInfo:
-        """Write the sequence and its cells to the state dir now (StorageFull if the disk refuses)."""
-        return self.persistent.save(seq_id)
-
-    def export_sequences(self, seq_id: str, family: bool = False) -> bytes:
-        """A portable archive (safetensors) of the sequence, or of its whole fork family."""
-        return self.persistent.export(seq_id, family)
-
-    def import_sequences(self, blob: bytes, new_ids: bool = False) -> dict[str, str]:
-        """An archive's sequences as new persistent sequences here (same model only): {archive id: id here}.
-        With `new_ids` every one gets an id made here (a scale-out move: the id must name this replica)."""
-        return self.persistent.import_archive(blob, self.vocab_size, new_ids)
-
-    def expire_idle(self, now: float | None = None) -> list[str]:
-        """Delete persistent sequences idle for longer than the TTL; return their ids."""
-        expired = self.persistent.idle_longer_than(self.config.seq_ttl_s, time.monotonic() if now is None else now)
-        for seq_id in expired:
-            self.delete(seq_id)
-        return expired
-
     # ----- the tick --------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -264,13 +221,13 @@ class Engine:
         """The forward over the plan's flat step, its logits split by row kind; None if it failed (then its
         requests failed: one bad step fails its requests, never the engine)."""
         try:
-            logits = self.runner.forward(flatten(plan))
+            logits, hidden = self.runner.forward_hidden(flatten(plan))
         except Exception as exc:
             log.exception("forward failed; failing the %d sequences of this step", len(plan.chunks))
             self.outputs.fail_step(plan.chunks, exc, outputs)
             return None
         self.steps += 1
-        return ModelOutput.split(plan, logits)
+        return ModelOutput.split(plan, logits, hidden)
 
     def _update(self, plan: SchedulerOutput, result: ModelOutput, outputs: list[RequestOutput]) -> None:
         """Apply a forward's output: cached counts, prompt logprobs, sampled and verified tokens (finishes
@@ -278,6 +235,10 @@ class Engine:
         self.scheduler.advance(plan.chunks)
         if plan.prompt_rows:  # echo, lm-eval
             self._take_prompt_logprobs(plan.chunks, plan.prompt_rows, result.prompt, outputs)
+        if plan.pooling:  # embeddings: their rows' hidden states pooled; a complete one ends with its vector
+            for req, vector in self.pooler.take(plan, result.hidden):
+                self.outputs.finish(req.choices[0], "stop")
+                outputs.append(self.outputs.emit(req, {}, embedding=vector))
         if plan.sampling:
             news: dict[Request, dict] = {}
             try:
@@ -406,39 +367,7 @@ class Engine:
         req.children_pending = 0
         return children
 
-    # ----- admission and reports ---------------------------------------------------------------
-    @property
-    def max_model_len(self) -> int:
-        return self.runner.max_model_len
-
-    @property
-    def n_cells(self) -> int:
-        return self.cache.n_cells
-
-    @property
-    def cell_bytes(self) -> int:
-        return self.runner.cell_bytes
-
-    @property
-    def kv_cache_dtype(self) -> str:
-        return self.runner.kv_cache_dtype
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self.runner.dtype
-
-    def compile_grammar(self, params: SamplingParams):
-        """`Admission.compile_grammar`: thread-safe, so a front end compiles off the loop thread first."""
-        return self.admission.compile_grammar(params)
-
-    def max_tokens_left(self, prompt_len: int, n: int = 1) -> int:
-        """`Admission.max_tokens_left` (constants only: any thread)."""
-        return self.admission.max_tokens_left(prompt_len, n)
-
-    def check_fits(self, prompt_lens: list[int], max_tokens: int, n: int = 1) -> None:
-        """`Admission.check_fits` (constants only: any thread)."""
-        self.admission.check_fits(prompt_lens, max_tokens, n)
-
+    # ----- LoRA adapters (engine.core.adapters) -------------------------------------------------
     def load_lora(self, name: str, path: str, replace: bool = False) -> AdapterInfo:
         """`Adapters.load`: between steps (the caller's loop thread)."""
         return self.adapters.load(name, path, replace)
@@ -450,40 +379,6 @@ class Engine:
     def lora_adapters(self) -> list[AdapterInfo]:
         """The loaded adapters (a snapshot list, safe from any thread)."""
         return self.adapters.infos()
-
-    def cached_prefix_cells(self) -> int:
-        """Cells held only by cached prefixes (evictable on demand)."""
-        return self.scheduler.cached_prefix_cells()
-
-    def stats(self) -> EngineStats:
-        sched = self.scheduler
-        idle = sum(1 for s in self.sequences.values() if s.request is None)  # persistent, not generating
-        used = self.cache.used_cells()
-        prefix = sched.prefix.stats
-        return EngineStats(self.cache.n_cells, used, self.cache.n_cells - used, self.cache.read_len,
-                           len(sched.running), len(sched.waiting), idle, sched.preemptions,
-                           self.generated_tokens, self.prompt_tokens, self.steps,
-                           len(sched.holders) - len(sched.running) - idle, prefix.queried_tokens, prefix.hit_tokens,
-                           *((spec.drafted, spec.accepted) if (spec := self.speculative) else (0, 0)))
-
-    def memory(self) -> MemoryReport:
-        """Resident memory by owner (engine/api/memory.py); reads only, so any thread may ask."""
-        return self.memory_account.report()
-
-    def free_cells(self) -> int:
-        """Cells a new request can get: free ones plus those only cached prefixes hold."""
-        return self.cache.free_cells() + self.scheduler.cached_prefix_cells()
-
-    def embed(self, prompts: list[list[int]], pooling: str) -> list[list[float]]:
-        """Pooled, unit-length final hidden states of each prompt (engine/core/embedding.py)."""
-        return embed(self, prompts, pooling)
-
-    def clear_prefix_cache(self) -> int:
-        """Drop every cached prefix (not live sequences); return the cells that became free."""
-        before = self.cache.free_cells()
-        for seq in self.scheduler.cached_prefixes():
-            self.scheduler.release(seq)
-        return self.cache.free_cells() - before
 
 
 def _restore(table: SequenceTable, cfg: EngineArgs, vocab_size: int, started: float) -> None:

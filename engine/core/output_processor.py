@@ -58,8 +58,8 @@ class OutputProcessor:
         """`token` becomes the choice's next output token (its sequence's truth); the choice ends on a stop."""
         req = choice.request
         choice.seq.token_ids.append(token)
-        if req.timing.first_token is None:
-            req.timing.first_token = time.monotonic()
+        if req.metrics.timing.first_token is None:
+            req.metrics.timing.first_token = time.monotonic()
         out = CompletionOutput(choice.index, [token], logprobs=[lp] if lp else None)
         stop = check_stop_token(choice.params, token, choice.num_generated, self.eos_ids)
         if choice.grammar is not None:
@@ -88,8 +88,8 @@ class OutputProcessor:
 
     def count_drafts(self, req: Request, accepted: int, rejected: int) -> None:
         """Drafted tokens of `req` kept and refused by a verification (reported in its usage)."""
-        req.accepted_draft_tokens += accepted
-        req.rejected_draft_tokens += rejected
+        req.metrics.accepted_draft_tokens += accepted
+        req.metrics.rejected_draft_tokens += rejected
 
     def scheduled(self, plan: SchedulerOutput) -> list[RequestOutput]:
         """A plan was made: each request's `cached_tokens` (OpenAI's usage field) is its prompt tokens found in
@@ -97,9 +97,9 @@ class OutputProcessor:
         requests done without a forward end. Returns the outputs this made."""
         for seq, shared in plan.cached:
             req = seq.request
-            if req is not None and seq.choice.index == 0 and req.cached_tokens is None:
+            if req is not None and seq.choice.index == 0 and req.metrics.cached_tokens is None:
                 history = len(seq.token_ids) - len(req.prompt_ids)
-                req.cached_tokens = max(0, shared - history)
+                req.metrics.cached_tokens = max(0, shared - history)
         outputs: list[RequestOutput] = []
         self.finish_prefills(outputs)
         return outputs
@@ -110,9 +110,10 @@ class OutputProcessor:
         choice.grammar = None
         self.scheduler.finish(choice.seq, reason)
 
-    def emit(self, req: Request, choices: dict[int, CompletionOutput]) -> RequestOutput:
+    def emit(self, req: Request, choices: dict[int, CompletionOutput], embedding: list[float] | None = None
+             ) -> RequestOutput:
         """Send `req` this tick's delta: the new tokens of `choices`, plus a finish for every choice that
-        ended without a token (cancel, error) and was not reported yet."""
+        ended without a token (cancel, error) and was not reported yet (`embedding`: an embedding's vector)."""
         for ch in req.choices:
             if ch.index not in choices and not ch.live and ch.index not in req.reported:
                 choices[ch.index] = CompletionOutput(ch.index, finish_reason=ch.finish_reason, error=ch.error)
@@ -122,16 +123,17 @@ class OutputProcessor:
         finished = not req.live()
         if finished and not req.finished:
             req.finished = True
-            req.timing.finished = time.monotonic()
+            req.metrics.timing.finished = time.monotonic()
             self.requests.pop(req.request_id, None)
         plp = None
         if req.prompt_logprobs is not None and not req.prompt_logprobs_sent:
             plp, req.prompt_logprobs_sent = req.prompt_logprobs, True
         seq_id = req.persistent_seq.seq_id if req.persistent_seq else None
+        m = req.metrics
         out = RequestOutput(req.request_id, sorted(choices.values(), key=lambda c: c.index), req.prompt_ids,
-                            finished, seq_id, req.timing, req.cached_tokens or 0, prompt_logprobs=plp,
-                            accepted_draft_tokens=req.accepted_draft_tokens,
-                            rejected_draft_tokens=req.rejected_draft_tokens)
+                            finished, seq_id, m.timing, m.cached_tokens or 0, prompt_logprobs=plp,
+                            accepted_draft_tokens=m.accepted_draft_tokens,
+                            rejected_draft_tokens=m.rejected_draft_tokens, embedding=embedding)
         req.emit(out)
         return out
 
@@ -145,7 +147,7 @@ class OutputProcessor:
         with finish_reason `length`: they have generated all max_tokens = 0 of their tokens."""
         for seq in list(self.scheduler.running):
             req = seq.request
-            if req is not None and req.prefill_only and seq.n_cached >= seq.cache_target():
+            if req is not None and req.prefill_only and not req.pooling and seq.n_cached >= seq.cache_target():
                 self.finish(seq.choice, "length")
                 outputs.append(self.emit(req, {}))
 

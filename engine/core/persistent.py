@@ -153,7 +153,9 @@ class SequenceTable:
         made = {}
         for rec in records:
             seq = self._adopt(rec, ids[rec.seq_id], ids.get(rec.parent))
-            restore_cells(seq, rec, self.scheduler, lambda key: (tensors[f"{key}.k"], tensors[f"{key}.v"]))
+            # room as a prefill makes it (cached prefixes first): an import is asked for now, and a pool full
+            # of cached prefixes would otherwise take the family with no cells and recompute it later
+            restore_cells(seq, rec, self.scheduler, lambda key: (tensors[f"{key}.k"], tensors[f"{key}.v"]), reserve=0)
             self._write(seq)
             made[rec.seq_id] = seq.seq_id
         return made

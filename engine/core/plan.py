@@ -1,10 +1,12 @@
-"""One tick as data: the scheduler's plan (`SchedulerOutput`), the flat step it becomes (`flatten`), and the
-logits the forward gives back, split by what each row is for (`ModelOutput`).
+"""One tick as data: what the speculative decoder reads before it (`Queues`), the scheduler's plan
+(`SchedulerOutput`), the flat step it becomes (`flatten`), and the logits the forward gives back, split by what
+each row is for (`ModelOutput`).
 
 The tick flows one way (vLLM v1's `schedule -> SchedulerOutput -> execute_model -> ModelRunnerOutput ->
 update_from_output`): `Scheduler.schedule` returns a plan, `Engine._execute` runs it, `Engine._update`
 applies the output (tokens, cached counts, finishes, drafts kept or dropped). A row's kind says what it is
-for; a new kind (a pooled row, say) is one more `ModelOutput` field and one more block of rows in `flatten`.
+for: sampled, drafted, prompt-logprob rows give logits; an embedding request's rows give their final hidden
+states (`ModelOutput.hidden`, `FlatStep.hidden_indices`), pooled instead of sampled.
 """
 
 from __future__ import annotations
@@ -35,6 +37,16 @@ class Chunk:
         return self.start + self.n_tokens == len(self.seq.token_ids)
 
 
+@dataclass(frozen=True)
+class Queues:
+    """The scheduler's queues as the speculative decoder may read them before a tick (`Scheduler.queues`): a copy
+    of the running sequences, in the scheduler's order, and how many sequences wait. A read, never a handle on
+    the scheduler's own lists."""
+
+    running: list[Sequence]
+    n_waiting: int
+
+
 @dataclass
 class SchedulerOutput:
     """What runs this tick: `chunks` in step order, and `cached`, the sequences the scheduler looked up in the
@@ -48,22 +60,26 @@ class SchedulerOutput:
         self.plain = [c for c in self.sampling if not c.draft]  # one row each
         self.drafted = [c for c in self.sampling if c.draft]  # 1 + len(draft) rows each
         self.prompt_rows = prompt_rows(self.chunks)  # id(chunk) -> its first rows scoring prompt tokens
+        self.pooling = [c for c in self.chunks if c.seq.request is not None and c.seq.request.pooling]
+        self.pooled_rows = pooled_rows(self.pooling)  # id(chunk) -> (first, count) of its rows to pool
 
 
 @dataclass
 class ModelOutput:
     """The logits of one forward, by kind, each block in its chunks' order: `plain` one row per plain chunk,
-    `drafted` 1 + len(draft) rows per drafted chunk, `prompt` the prompt-logprob rows."""
+    `drafted` 1 + len(draft) rows per drafted chunk, `prompt` the prompt-logprob rows; `hidden` the final hidden
+    states of the pooled rows (`SchedulerOutput.pooled_rows`, in chunk order), or None."""
 
     plain: torch.Tensor
     drafted: torch.Tensor
     prompt: torch.Tensor
+    hidden: torch.Tensor | None = None
 
     @classmethod
-    def split(cls, plan: SchedulerOutput, logits: torch.Tensor) -> ModelOutput:
+    def split(cls, plan: SchedulerOutput, logits: torch.Tensor, hidden: torch.Tensor | None = None) -> ModelOutput:
         n_plain = len(plan.plain)
         n_sampled = n_plain + sum(1 + len(c.draft) for c in plan.drafted)
-        return cls(logits[:n_plain], logits[n_plain:n_sampled], logits[n_sampled:])
+        return cls(logits[:n_plain], logits[n_plain:n_sampled], logits[n_sampled:], hidden)
 
 
 def prompt_rows(chunks: list[Chunk]) -> dict[int, int]:
@@ -79,11 +95,27 @@ def prompt_rows(chunks: list[Chunk]) -> dict[int, int]:
     return out
 
 
+def pooled_rows(chunks: list[Chunk]) -> dict[int, tuple[int, int]]:
+    """id(chunk) -> (first, count): the rows of an embedding request's chunk whose hidden states its pooling
+    reads: every row (mean), the sequence's first token (cls), its last token (last, on the chunk that
+    completes it). A chunk with none of them (cls past the first chunk) is left out."""
+    out = {}
+    for c in chunks:
+        pooling = c.seq.request.pooling
+        if pooling == "mean":
+            out[id(c)] = (0, c.n_tokens)
+        elif pooling == "cls" and c.start == 0:
+            out[id(c)] = (0, 1)
+        elif pooling == "last" and c.completes:
+            out[id(c)] = (c.n_tokens - 1, 1)
+    return out
+
+
 def flatten(plan: SchedulerOutput) -> FlatStep:
     """The flat step, keeping logits only for the rows the plan uses (at least one row: 0 means all): one row
     per plain chunk, then every row (last token + draft) of each drafted chunk, then, in chunk order, the first
     `prompt_rows[id(chunk)]` rows of chunks whose prompt logprobs are wanted (one arange per such chunk: a loop
-    over chunks, not tokens)."""
+    over chunks, not tokens). The pooled rows of embedding chunks go to `hidden_indices`."""
     chunks, rows_for = plan.chunks, plan.prompt_rows
     step = flatten_step({c.seq.slot: (c.token_ids, c.start) for c in chunks})
     step.lora = step_rows([c.seq.lora for c in chunks], [c.n_tokens + len(c.draft) for c in chunks])
@@ -96,4 +128,8 @@ def flatten(plan: SchedulerOutput) -> FlatStep:
     rows = [last[pick], *drafted, *extra]
     step.logits_indices = torch.cat(rows) if pick or drafted or extra else last[[0]]
     step.drafts = bool(drafted)
+    pooled = plan.pooled_rows
+    if pooled:
+        step.hidden_indices = torch.cat([torch.arange(pooled[id(c)][1]) + (last[i] - c.n_tokens + 1 + pooled[id(c)][0])
+                                         for i, c in enumerate(chunks) if id(c) in pooled])
     return step

@@ -29,7 +29,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from engine.cells.cache import CellCache
-from engine.core.plan import Chunk, SchedulerOutput
+from engine.core.plan import Chunk, Queues, SchedulerOutput
 from engine.core.prefix_index import BLOCK, PrefixIndex
 from engine.core.sequence import Choice, SeqStatus, Sequence
 from engine.core.state.store import DurableStore, load_chunks
@@ -101,6 +101,10 @@ class Scheduler:
         self.mirror = mirror
 
     # ----- queue -----------------------------------------------------------------------------
+    def queues(self) -> Queues:
+        """Who runs (a copy) and how many wait: the read the speculative decoder makes before each tick."""
+        return Queues(list(self.running), len(self.waiting))
+
     def start(self, seq: Sequence, choice: Choice) -> None:
         """`choice` generates on `seq` from now on: it (re)joins the queue."""
         seq.choice = choice

@@ -76,6 +76,8 @@ class Sequence:
         """False: never take a cached prefix. A request that scores its prompt (prompt logprobs, choice 0) needs
         every prompt row's logits from its own prefill, on first admission and after a preemption."""
         c = self.choice
+        if c is not None and c.request.pooling in ("mean", "cls"):  # pools rows a cached prefix has no state of
+            return False
         return c is None or c.index > 0 or c.request.prompt_logprobs is None
 
     @property
@@ -89,7 +91,7 @@ class Sequence:
         Idle sequences keep their last token uncached: generating from them then needs the logits of
         that token, which a 1-token forward produces.
         """
-        if self.choice is not None and self.choice.request.prefill_only:
+        if self.choice is not None and self.choice.request.prefill_only and self.choice.request.pooling is None:
             return len(self.token_ids) - 1
         return len(self.token_ids)
 
@@ -130,28 +132,48 @@ class Choice:
         return self.seq.token_ids[: self.gen_start]
 
 
+@dataclass
+class RequestMetrics:
+    """What a request's outputs report besides tokens (the output processor keeps it): when it was queued, got its
+    first token and finished; how many prompt tokens the prefix cache held at its first admission (OpenAI's
+    cached tokens); the drafted tokens verification kept and refused (speculative decoding, over all choices)."""
+
+    timing: Timing = field(default_factory=lambda: Timing(queued=time.monotonic()))
+    cached_tokens: int | None = None  # None until its first admission looked the prompt up
+    accepted_draft_tokens: int = 0
+    rejected_draft_tokens: int = 0
+
+
 @dataclass(eq=False)
 class Request:
-    """One generation call (or a prefill-only `create`), possibly with `n` choices."""
+    """One generation call (or a prefill-only `create`, or an embedding: `pooling` set), possibly with `n` choices:
+    what was asked, how it runs (its choices, on a persistent sequence or not), what its outputs have said so far,
+    and its metrics."""
 
+    # what was asked, and where its outputs go
     request_id: str
     prompt_ids: list[int]
     params: SamplingParams
     emit: Callable[[RequestOutput], None]
+    # how it runs (the engine sets these when it takes the request)
     choices: list[Choice] = field(default_factory=list)
-    prefill_only: bool = False
     detokenize: bool = True  # False: the consumer makes the text (AsyncEngine, requests without stop strings)
+    grammar: object | None = None  # compiled grammar of a structured-output request (one state per choice)
     persistent_seq: Sequence | None = None  # set when the request runs on a persistent sequence
     children_pending: int = 0  # n - 1 forks to make once the prompt is prefilled
-    timing: Timing = field(default_factory=lambda: Timing(queued=time.monotonic()))
+    pooling: str | None = None  # an embedding (prefill-only): its prompt's hidden states pooled so (last, mean, cls)
+    score_tokens: list[int] | None = None  # a scorer: the last row's logits of these tokens instead of a vector
+    # what its outputs have said so far (the output processor's)
     finished: bool = False
     reported: set[int] = field(default_factory=set)  # choice indices whose finish was emitted
-    cached_tokens: int | None = None  # prompt tokens whose cells came from the prefix cache (set at admission)
-    grammar: object | None = None  # compiled grammar of a structured-output request (one state per choice)
     prompt_logprobs: PromptLogprobs | None = None  # filled while the prompt prefills, when asked for
     prompt_logprobs_sent: bool = False
-    accepted_draft_tokens: int = 0  # speculative decoding, over all choices
-    rejected_draft_tokens: int = 0
+    metrics: RequestMetrics = field(default_factory=RequestMetrics)
+
+    @property
+    def prefill_only(self) -> bool:
+        """max_tokens 0 asks for no token (SamplingParams' contract): the prompt is cached, nothing sampled."""
+        return self.params.max_tokens == 0
 
     @property
     def seqs(self) -> list[Sequence]:

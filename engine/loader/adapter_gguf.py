@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from engine.loader.adapters import AdapterError, AdapterWeights, read_peft_folder
+from engine.loader.adapters import AdapterError, AdapterWeights, moe_refusal, read_peft_folder
 
 NAMES = {"attn_q": "q_proj", "attn_k": "k_proj", "attn_v": "v_proj", "attn_output": "o_proj",
          "ffn_gate": "gate_proj", "ffn_up": "up_proj", "ffn_down": "down_proj"}
@@ -41,6 +41,8 @@ def read_gguf_adapter(path: Path, heads: tuple[int, int] | None = None) -> Adapt
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for t in reader.tensors:
         parts = t.name.split(".")  # blk.{i}.{name}.weight.lora_{a,b}
+        if len(parts) == 5 and parts[2].startswith("ffn_") and parts[2].endswith(("_exps", "_inp", "_shexp")):
+            raise AdapterError(moe_refusal(str(path), t.name.removesuffix("." + parts[4])))
         if len(parts) != 5 or parts[0] != "blk" or parts[2] not in NAMES or parts[4] not in ("lora_a", "lora_b"):
             raise AdapterError(f"{path}: tensor {t.name!r} is not a LoRA A/B of a decoder layer's "
                                f"{'/'.join(NAMES)}; only those are served")

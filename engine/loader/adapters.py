@@ -24,6 +24,9 @@ from safetensors.torch import load_file
 # the decoder layer's linears an adapter may target (PEFT's module names; the native forward fuses q|k|v, gate|up)
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+# a mixture-of-experts block's expert MLPs or router (Mixtral's block_sparse_moe, Qwen-MoE's mlp.experts / mlp.gate)
+_MOE_KEY = re.compile(r"(layers\.\d+\.(?:mlp|block_sparse_moe)\.(?:experts\.\d+\.\w+|shared_experts?\.\w+|experts|gate"
+                      r"|router))\.lora_[AB]")
 _REFUSED_CONFIG = {
     "use_dora": "DoRA (use_dora) adapters",
     "modules_to_save": "modules_to_save (fully trained copies of modules)",
@@ -65,6 +68,9 @@ def read_peft_folder(path: str | Path) -> AdapterWeights:
     scale = alpha / math.sqrt(r) if cfg.get("use_rslora") else alpha / r
     pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
     for key, tensor in load_file(str(weights_file)).items():
+        moe = _MOE_KEY.search(key)
+        if moe is not None:
+            raise AdapterError(moe_refusal(str(weights_file), moe.group(1)))
         m = _KEY.search(key)
         if m is None or m.group(2) not in PROJECTIONS:
             raise AdapterError(f"{weights_file}: tensor {key!r} is not a LoRA A/B of a decoder layer's "
@@ -82,6 +88,13 @@ def read_peft_folder(path: str | Path) -> AdapterWeights:
     if not out.layers:
         raise AdapterError(f"{weights_file} holds no LoRA weights")
     return out
+
+
+def moe_refusal(where: str, module: str) -> str:
+    """Why an adapter targeting `module` (a mixture-of-experts expert MLP or router) is refused."""
+    return (f"{where}: the adapter targets {module}, a mixture-of-experts expert MLP or router; LoRA updates are "
+            f"served on the attention projections and dense MLPs only (the experts run fused, without a per-row "
+            f"update): use an adapter of q/k/v/o_proj, or merge this one into the model")
 
 
 def _check_config(cfg: dict, folder: Path) -> None:

@@ -4,7 +4,9 @@
 without parsing the token list, so it is fast even for a 150k-token vocabulary. `load_quantized(path)`
 returns every tensor of a Llama-family file (`QUANT_ARCHS`) by its llama.cpp name: Q8_0, Q4_0, Q4_1,
 Q4_K, Q5_K and Q6_K tensors as `QuantWeight` (repacked once from the file's blocks into the arrays the
-kernels read: below, and engine/model/kernels/csrc/quant_linear.cpp), F32/F16/BF16 as they are (F32
+kernels read: below, and engine/model/kernels/csrc/quant_linear.cpp), Q5_0 repacked exactly into Q8_0
+(`REPACKED`: llama-quantize stores most of a Gemma 3 Q4_K_M file's matrices in Q5_0, its fallback where
+a row is not whole 256-weight super-blocks), F32/F16/BF16 as they are (F32
 norms, F16/BF16 in bfloat16), and any other type dequantized by gguf-py to bfloat16 per tensor (logged
 once per file). A mixture-of-experts projection (`blk.N.ffn_{gate,up,down}_exps`, 3-D [E, N, K]) is a list
 of E such weights, each repacked from its expert's contiguous slice of the file's bytes.
@@ -16,6 +18,8 @@ Block layouts in the file (ggml's public definition; d, m, dmin fp16):
   Q8_0  32 weights: d, int8 q[32]                          w = d * q                             34 B
   Q4_0  32 weights: d, uint8 qs[16] (q_j | q_{j+16} << 4)  w = d * (q - 8)                       18 B
   Q4_1  32 weights: d, m, qs[16] (same nibbles)            w = d * q + m                         20 B
+  Q5_0  32 weights: d, uint32 qh, qs[16] (Q4_0's nibbles; bit j of qh: bit 4 of element j)
+                                                            w = d * (q - 16)                      22 B
   Q4_K  256 weights, 8 sub-blocks of 32: d, dmin, scales[12] (8 6-bit scales sc_j and 8 6-bit mins
         m_j: j < 4: sc = s[j] & 63, m = s[j+4] & 63; j >= 4: sc = (s[j+4] & 15) | (s[j-4] >> 6) << 4,
         m = (s[j+4] >> 4) | (s[j] >> 6) << 4), qs[128]: 32-byte group g holds sub-block 2g in its low
@@ -38,6 +42,8 @@ Repacked (`QuantWeight`, one row of blocks per output row; the kernels read thes
       (position i < 32: block i / 16, element i % 16; i >= 32: block (i - 32) / 16, element 16 + i % 16):
       q5_k uint8 [N, K/8], 8 bytes a pair: bit i (little-endian uint64) = bit 4 of position i;
       q6_k uint8 [N, K/4], 16 bytes a pair: bit 4 plane then bit 5 plane.
+  Q5_0 is kept as q8_0 (q - 16 is an int8; d unchanged: the same weights bit for bit, 1.0625 bytes a weight
+  against the file's 0.6875: no kernel reads 5-bit blocks yet).
   Bytes per weight: q8_0 1.0625, q4_0 0.5625, q4_1 0.625 (the file's), q4_k 0.578 (file 0.5625),
   q5_k 0.703 (0.6875), q6_k 0.8203 (the file's): the K-quants' packed 6-bit scales are kept a byte each.
   The native forward keeps q8_0 / q4_0 / q4_1 linears in 16-row tiles of these same bytes instead
@@ -60,6 +66,7 @@ from engine.loader.gguf import (  # noqa: F401 (re-exported)
     Q4_0,
     Q4_1,
     Q4_K,
+    Q5_0,
     Q5_K,
     Q6_K,
     Q8_0,
@@ -77,6 +84,12 @@ KIND_IDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q4_k": 3, "q5_k": 4, "q6_k": 5}  #
 ZERO_POINTS = {"q8_0": 128, "q4_0": 8, "q4_1": 0, "q4_k": 0, "q5_k": 0, "q6_k": 32}
 BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144, "q5_k": 176, "q6_k": 210}
 BLOCK_WEIGHTS = {"q8_0": 32, "q4_0": 32, "q4_1": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256}
+REPACKED = {Q5_0: "q8_0"}  # ggml types the file stores that are kept, exactly, as another kind (module docstring)
+
+
+def kind_of(ggml_type: int) -> str | None:
+    """The kind a tensor of `ggml_type` is kept in (None: not kept quantized)."""
+    return KINDS.get(ggml_type) or REPACKED.get(ggml_type)
 FIELDS = ("qs", "d", "m", "sc", "mn", "qh")  # the order the kernels take them in
 _NONE = torch.empty(0, dtype=torch.uint8)  # an absent field, to the kernels
 
@@ -187,6 +200,8 @@ def _half(blocks: np.ndarray, at: int, n: int) -> torch.Tensor:
 
 def pack_blocks(raw: np.ndarray, ggml_type: int, n: int, k: int) -> QuantWeight:
     """The file's interleaved blocks of a [n, k] tensor -> a `QuantWeight` (one copy, made here)."""
+    if ggml_type == Q5_0:
+        return _q5_0_as_q8_0(raw, n, k)
     kind = KINDS[ggml_type]
     bsize = BLOCK_BYTES[kind]
     blocks = np.asarray(raw, dtype=np.uint8).reshape(n, k // BLOCK_WEIGHTS[kind], bsize)
@@ -220,6 +235,17 @@ def pack_blocks(raw: np.ndarray, ggml_type: int, n: int, k: int) -> QuantWeight:
                        t(sc.reshape(n, k // 32)), t(mn.reshape(n, k // 32)), qh)
 
 
+def _q5_0_as_q8_0(raw: np.ndarray, n: int, k: int) -> QuantWeight:
+    """Q5_0 blocks as q8_0: each 5-bit q as the int8 q - 16 (stored + 128: q + 112), the block's d as it is."""
+    blocks = np.asarray(raw, dtype=np.uint8).reshape(n, k // 32, 22)
+    qh = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")  # [n, k/32, 1]
+    nib = blocks[..., 6:22]
+    low = np.concatenate([nib & 0x0F, nib >> 4], axis=-1)  # [n, k/32, 32] element order
+    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
+    qs = ((low | high) + np.uint8(112)).reshape(n, k)
+    return QuantWeight("q8_0", torch.from_numpy(np.ascontiguousarray(qs)), _half(blocks, 0, n))
+
+
 def _unpermute_index(n_rows: int, n_head: int) -> torch.Tensor:
     """Row order undoing llama.cpp's Q/K permutation (convert_hf_to_gguf's `permute`, as transformers'
     `_reverse_permute_weights` undoes it): HF row r is file row index[r]."""
@@ -250,7 +276,7 @@ def load_quantized(path: str | Path) -> tuple[dict, dict[str, "QuantWeight | tor
             numel = int(np.prod(t.shape))
             data.seek(t.offset)
             raw = np.frombuffer(data.read(numel // block * type_size), dtype=np.uint8)
-            kind = KINDS.get(t.ggml_type)
+            kind = kind_of(t.ggml_type)
             if len(t.shape) == 3:  # a MoE projection's experts [E, N, K]: one weight per expert's slice
                 w = _experts(raw, t, qtype, kind)
                 as_bf16 |= set() if kind or t.ggml_type == F32 else {qtype.name}

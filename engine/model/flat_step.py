@@ -18,6 +18,7 @@ class FlatStep:
     logits_indices: torch.Tensor  # [S] row of each sequence's last token, in dict order
     drafts: bool = False  # some chunk carries drafted tokens: its rows must round as one-row steps (rows.py)
     lora: list | None = None  # [(adapter uid, scale, rows)] per adapter present (engine/model/lora.py step_rows)
+    hidden_indices: torch.Tensor | None = None  # rows whose final hidden states come back too (embeddings)
 
 
 def flatten_step(chunks: dict[int, tuple[list[int], int]]) -> FlatStep:

@@ -32,7 +32,9 @@ from engine.api.lora import AdapterInfo, AdapterMemoryFull, AdapterNotFound, Lor
 from engine.loader.adapter_gguf import read_adapter
 from engine.loader.adapters import AdapterError, AdapterWeights
 from engine.model.native.layer import DenseMLP
+from engine.model.native.linear import Linear
 
+STACKED_SETS = 4  # sets of adapters whose stacked weights stay cached (each a copy of its adapters' bytes)
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
           "down": ("down_proj",)}
 
@@ -126,19 +128,21 @@ class Segment:
 
 
 class LayerDeltas:
-    """The step's segments for one layer: `add(group, x, out)` adds each adapter's update of that fused
-    linear (input `x`, output `out`, in place) to its own rows."""
+    """The step's segments for one layer: `add(group, x, out)` returns `out` (the fused linear's output for
+    input `x`) with each adapter's update added to its own rows (in place, or a new tensor)."""
 
     def __init__(self, layer: int, segments: list[Segment], stacked: "Stacked | None" = None):
         self.layer, self.segments, self.stacked = layer, segments, stacked
 
     def targets(self, group: str) -> bool:
+        if self.stacked is not None:
+            return self.stacked.fused(self.layer, group) is not None
         return any(group in s.adapter.layers[self.layer] for s in self.segments)
 
-    def add(self, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
+    def add(self, group: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         if self.stacked is not None:
-            self.stacked.add(self.layer, group, x, out)
-            return
+            fused = self.stacked.fused(self.layer, group)
+            return out if fused is None else self.stacked.add(fused.b, self.stacked.low(fused, x), out)
         for s in self.segments:
             g = s.adapter.layers[self.layer].get(group)
             if g is None:
@@ -151,6 +155,7 @@ class LayerDeltas:
                 out[s.span[0]:s.span[1]].addmm_(t, g.b.t())
             else:
                 out.index_add_(0, s.rows, torch.mm(t, g.b.t()))
+        return out
 
     def mlp(self, mlp):
         """The layer's MLP with the adapters' gate/up/down updates (itself when none targets it)."""
@@ -160,34 +165,68 @@ class LayerDeltas:
 
 
 class LoraMLP:
-    """A dense MLP with the step's updates: gate|up unfused when an adapter targets them (the update lands
+    """A dense MLP with the step's updates: gate and up apart when an adapter targets them (the update lands
     before the activation), `down`'s after its fused residual add."""
 
     def __init__(self, mlp: DenseMLP, deltas: LayerDeltas):
         self.mlp, self.deltas = mlp, deltas
 
     def __call__(self, h: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
-        mlp = self.mlp
-        if self.deltas.targets("gate_up"):
-            y = mlp.gate_up(h) if mlp.gate_up is not None else torch.cat([mlp.gate(h), mlp.up(h)], 1)
-            self.deltas.add("gate_up", h, y)
-            n = y.shape[1] // 2
-            gate = F.silu(y[:, :n]) if mlp.act == "silu" else F.gelu(y[:, :n], approximate="tanh")
-            g = gate.mul_(y[:, n:])
+        mlp, deltas = self.mlp, self.deltas
+        if deltas.targets("gate_up"):
+            gate, up = self._gate_up(h)
+            gate = F.silu(gate, inplace=True) if mlp.act == "silu" else F.gelu(gate, approximate="tanh")
+            g = gate.mul_(up)
         else:
             g = mlp.glu(h)
         out = mlp.down(g) if residual is None else mlp.down.plus(g, residual)
-        self.deltas.add("down", g, out)
-        return out
+        return deltas.add("down", g, out)
+
+    def _gate_up(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate(h) and up(h), each with the adapters' update."""
+        mlp, deltas = self.mlp, self.deltas
+        if mlp.gate_up is not None:  # a quantized [gate; up] linear
+            y = mlp.gate_up(h)
+            n = y.shape[1] // 2
+            gate, up = y[:, :n].contiguous(), y[:, n:].contiguous()
+        else:
+            gate, up = mlp.gate(h), mlp.up(h)
+        stacked = deltas.stacked
+        if stacked is None:
+            y = deltas.add("gate_up", h, torch.cat([gate, up], 1))
+            n = y.shape[1] // 2
+            return y[:, :n], y[:, n:]
+        fused = stacked.fused(deltas.layer, "gate_up")
+        t = stacked.low(fused, h)
+        return stacked.add(fused.b, t, gate), stacked.add(fused.b_up, t, up)
+
+
+@dataclass
+class Fused:
+    """The step's adapters' updates of one fused linear stacked into two linears packed once (oneDNN, as the
+    base's; engine/model/native/linear.py): `a` = their A `[sum R, in]`, `b` = their B side by side `[out, sum R]`
+    (gate|up: `b` the gate's rows, `b_up` the up's); `cols[j]`: the segment column j belongs to; `key`: which
+    row mask (the segments present and their ranks)."""
+
+    a: Linear
+    b: Linear
+    b_up: Linear | None
+    cols: torch.Tensor
+    key: tuple
 
 
 class Stacked:
-    """Several adapters' updates of one fused linear in one pass (a step with more than one adapter): their A
-    stacked `[sum R, in]` and B side by side `[out, sum R]` (cached while the step's adapters stay the same), one
-    `mm` over the rows of every adapter, a mask keeping each row's own adapter's columns (times its scale), one
-    `mm` back: five ops per linear whatever the number of adapters (the per-adapter loop costs four each; on a
-    CPU at decode sizes the ops' overhead, not their arithmetic, is the cost). The extra columns' products are
-    the price: `sum R` instead of one adapter's R per row."""
+    """The step's adapters' updates in one pass per fused linear: `low` = the adapter rows' `x @ A.T` times a
+    mask keeping each row's own adapter's columns (times its scale), fused into one oneDNN call; `add` = that
+    `@ B.T` plus the linear's output, one more (the residual add's own fused path). Two ops per linear whatever
+    the number of adapters (one adapter at scale 1 needs no mask); the extra columns' products are the price:
+    `sum R` instead of one adapter's R per row. Where rows of every kind share the step, only the adapter rows
+    are read and written (a slice when contiguous, else index_select / index_add_): base rows cost nothing.
+
+    Built once a step (the rows' adapter, the masks); the stacked weights (`fused`) are built on first use per
+    layer and linear and cached with the registry while the same adapters step together. Measured on a CPU at
+    decode sizes, the ops' count (each a dispatch, an allocation and a parallel region), not their arithmetic,
+    is the cost: the per-adapter loop (LayerDeltas without this) runs four per adapter."""
 
     def __init__(self, segments: list[Segment], cache: dict):
         rows = torch.cat([s.rows for s in segments])
@@ -197,33 +236,49 @@ class Stacked:
         first, n = int(self.rows[0]), len(self.rows)
         self.span = (first, first + n) if int(self.rows[-1]) - first == n - 1 else None
         self.scale = torch.tensor([s.scale for s in segments])[self.seg]
+        self.plain = len(segments) == 1 and segments[0].scale == 1.0  # no mask to apply
         self.segments, self.cache, self.masks = segments, cache, {}
 
-    def add(self, layer: int, group: str, x: torch.Tensor, out: torch.Tensor) -> None:
-        present = tuple(j for j, s in enumerate(self.segments) if group in s.adapter.layers[layer])
-        if not present:
-            return
-        a, b, cols, ranks = self._fused(layer, group, present)
-        mask = self.masks.get((group, present, ranks))
-        if mask is None:
-            mask = (self.seg[:, None] == cols[None, :]).to(x.dtype) * self.scale[:, None].to(x.dtype)
-            self.masks[(group, present, ranks)] = mask
-        xs = x[self.span[0]:self.span[1]] if self.span else x.index_select(0, self.rows)
-        t = torch.mm(xs, a.t()).mul_(mask)
-        if self.span:
-            out[self.span[0]:self.span[1]].addmm_(t, b.t())
-        else:
-            out.index_add_(0, self.rows, torch.mm(t, b.t()))
+    def fused(self, layer: int, group: str) -> Fused | None:
+        """The stacked weights of the step's adapters targeting `group` in `layer` (None: none targets it)."""
+        key = (layer, group)
+        if key not in self.cache:
+            present = [j for j, s in enumerate(self.segments) if group in s.adapter.layers[layer]]
+            self.cache[key] = _fuse([self.segments[j].adapter.layers[layer][group] for j in present], present,
+                                    group == "gate_up") if present else None
+        return self.cache[key]
 
-    def _fused(self, layer: int, group: str, present: tuple[int, ...]):
-        key = (tuple(self.segments[j].adapter.uid for j in present), layer, group)
-        fused = self.cache.get(key)
-        if fused is None:
-            groups = [self.segments[j].adapter.layers[layer][group] for j in present]
-            cols = torch.cat([torch.full((g.a.shape[0],), j) for j, g in zip(present, groups)])
-            fused = self.cache[key] = (torch.cat([g.a for g in groups]), torch.cat([g.b for g in groups], 1), cols,
-                                       tuple(g.a.shape[0] for g in groups))
-        return fused
+    def low(self, fused: Fused, x: torch.Tensor) -> torch.Tensor:
+        """`[adapter rows, sum R]`: each adapter row's `x @ A.T` on its own adapter's columns, times its scale."""
+        if self.span is None:
+            x = x.index_select(0, self.rows)
+        elif self.span != (0, x.shape[0]):
+            x = x[self.span[0]:self.span[1]]
+        if self.plain:
+            return fused.a(x)
+        mask = self.masks.get(fused.key)
+        if mask is None:
+            mask = (self.seg[:, None] == fused.cols[None, :]).to(x.dtype) * self.scale[:, None].to(x.dtype)
+            self.masks[fused.key] = mask
+        return fused.a.times(x, mask)
+
+    def add(self, b: Linear, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """`out` with `t @ B.T` added to the adapter rows."""
+        if self.span is None:
+            return out.index_add_(0, self.rows, b(t))
+        if self.span == (0, out.shape[0]):
+            return b.plus(t, out)
+        out[self.span[0]:self.span[1]] = b.plus(t, out[self.span[0]:self.span[1]])
+        return out
+
+
+def _fuse(groups: list[Group], present: list[int], split: bool) -> Fused:
+    """`groups` (one per segment in `present`) stacked; `split`: B's rows in two halves (gate, up)."""
+    cols = torch.cat([torch.full((g.a.shape[0],), j) for j, g in zip(present, groups)])
+    b = torch.cat([g.b for g in groups], 1)
+    n = b.shape[0] // 2 if split else b.shape[0]
+    return Fused(Linear([torch.cat([g.a for g in groups])]), Linear([b[:n]]), Linear([b[n:]]) if split else None,
+                 cols, (tuple(present), tuple(g.a.shape[0] for g in groups)))
 
 
 class StepLora:
@@ -231,7 +286,7 @@ class StepLora:
 
     def __init__(self, segments: list[Segment], cache: dict | None = None):
         self.segments = segments
-        self.stacked = Stacked(segments, cache) if len(segments) > 1 and cache is not None else None
+        self.stacked = Stacked(segments, cache) if cache is not None else None
 
     def layer(self, i: int) -> LayerDeltas:
         return LayerDeltas(i, self.segments, self.stacked)
@@ -259,9 +314,9 @@ class LoraRegistry:
         self.adapters: OrderedDict[str, Adapter] = OrderedDict()
         self._uids = itertools.count()
         self._infos: tuple[AdapterInfo, ...] = ()  # by id, rebuilt on every load/unload: other threads read it
-        self.stacking = True  # steps of several adapters in one pass (`Stacked`); False: one pass per adapter
-        self._stacked: dict = {}  # the stacked weights of the last set of adapters stepped together
-        self._stacked_uids: tuple = ()
+        self.stacking = True  # steps of adapters in one pass per linear (`Stacked`); False: one pass per adapter
+        # the stacked weights of the last STACKED_SETS sets of adapters stepped together (most recent last)
+        self._stacked: OrderedDict[tuple, dict] = OrderedDict()
 
     def load(self, name: str, path: str, busy: frozenset[int] = frozenset()) -> tuple[Adapter, list[Adapter]]:
         """Read and hold the adapter at `path` as `name` (replacing a loaded one of that name unless busy);
@@ -322,17 +377,23 @@ class LoraRegistry:
             span = (int(index[0]), int(index[0]) + n) if n and int(index[-1]) - int(index[0]) == n - 1 else None
             segments.append(Segment(adapter, index.to(device), span, scale))
         segments.sort(key=lambda s: (s.adapter.uid, s.scale))  # a stable order: the stacked weights stay cached
-        uids = tuple(s.adapter.uid for s in segments)
-        if len(segments) > 1 and uids != self._stacked_uids:  # another set of adapters: restack (lazily, per linear)
-            self._stacked, self._stacked_uids = {}, uids
-        return StepLora(segments, self._stacked if self.stacking else None)
+        return StepLora(segments, self._stacked_cache(tuple(s.adapter.uid for s in segments)) if self.stacking else None)
+
+    def _stacked_cache(self, uids: tuple) -> dict:
+        """The stacked weights of this set of adapters (filled lazily, per linear), kept for the last
+        STACKED_SETS sets: steps alternating between a few sets restack nothing."""
+        cache = self._stacked.pop(uids, None)
+        self._stacked[uids] = cache = {} if cache is None else cache
+        while len(self._stacked) > STACKED_SETS:
+            self._stacked.popitem(last=False)
+        return cache
 
     def infos(self) -> list[AdapterInfo]:
         """The loaded adapters by id (safe from any thread: a snapshot)."""
         return list(self._infos)
 
     def _snapshot(self) -> None:
-        self._stacked, self._stacked_uids = {}, ()
+        self._stacked.clear()
         self._infos = tuple(a.info for a in sorted(self.adapters.values(), key=lambda a: a.uid))
 
     def _bytes(self) -> int:

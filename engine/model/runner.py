@@ -226,20 +226,26 @@ class ModelRunner:
     def n_cells(self) -> int:
         return self.cache.n_cells
 
-    def forward(self, step: FlatStep, hidden: bool = False) -> torch.Tensor:
-        """Run one flat step; return fp32 logits `[len(step.logits_indices), vocab]` for those rows (`hidden`:
-        their final hidden states `[rows, hidden]` instead, for embeddings; the native forward only)."""
-        if hidden and self.native is None:
+    def forward(self, step: FlatStep) -> torch.Tensor:
+        """Run one flat step; return fp32 logits `[len(step.logits_indices), vocab]` for those rows."""
+        return self.forward_hidden(step)[0]
+
+    def forward_hidden(self, step: FlatStep) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """`forward`, plus the final hidden states `[len(step.hidden_indices), hidden]` (the forward's dtype, after the final
+        norm) of the rows `step.hidden_indices` names, in the same forward (None when it names none): the rows
+        an embedding request pools (engine/core/embedding.py). Hidden rows need the native forward."""
+        if step.hidden_indices is not None and self.native is None:
             raise ValueError("embeddings run on the native forward (Llama, Mistral, Qwen2/3, Gemma 3 families); "
                              "this model runs on the transformers modules")
         plan = self.cache.begin_step(step.seq_ids, step.positions)
         tokens = torch.as_tensor(step.tokens).reshape(-1).to(self.device)
         rows = torch.as_tensor(step.logits_indices, dtype=torch.int64).reshape(-1).to(self.device)
+        hidden = None if step.hidden_indices is None else step.hidden_indices.to(self.device)
         try:
             with torch.inference_mode(), drafted_step(step.drafts):
                 if self.native is not None:
                     lora = self.loras.step(step.lora, self.device) if step.lora else None
-                    logits = self.native.forward(self.cache, tokens, plan, rows, lora, hidden=hidden)
+                    logits, hidden = self.native.forward(self.cache, tokens, plan, rows, lora, hidden_rows=hidden)
                 elif step.lora:
                     raise ValueError("LoRA adapters run on the native forward only; this model runs on the "
                                      "transformers modules")
@@ -249,7 +255,13 @@ class ModelRunner:
             self.cache.abort_step()
             raise
         self.cache.end_step()
-        return logits
+        return logits, hidden
+
+    def logits_of(self, hidden: torch.Tensor) -> torch.Tensor:
+        """fp32 logits of final hidden states that `forward_hidden` returned: the same head, so equal to the logits
+        those rows give in a forward (a causal reranker's yes/no scores read them). Native forward only."""
+        with torch.inference_mode():
+            return self.native.logits(hidden.to(self.device))
 
     def _hf_forward(self, tokens, plan, rows) -> torch.Tensor:
         """The unmodified transformers model over the planned step (the general path and the oracle)."""

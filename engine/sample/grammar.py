@@ -79,6 +79,26 @@ class GrammarState:
 GRAMMAR_CACHE_BYTES = 64 << 20  # compiled grammars kept for reuse (xgrammar's default: no limit)
 
 
+def _tuple_items(schema: str) -> str:
+    """Draft 4-7's tuple form, `"items": [A, B]` (with `additionalItems` for the rest), as 2020-12 writes it
+    (`prefixItems`, `items`), which is the form xgrammar reads; llama.cpp and Pydantic v1 schemas still use the
+    old one. Text that is not JSON is left for the compiler to refuse."""
+    def fix(node):
+        if isinstance(node, dict):
+            node = {k: fix(v) for k, v in node.items()}
+            if isinstance(node.get("items"), list):
+                node["prefixItems"] = node.pop("items")
+                if "additionalItems" in node:
+                    node["items"] = node.pop("additionalItems")
+            return node
+        return [fix(v) for v in node] if isinstance(node, list) else node
+
+    try:
+        return json.dumps(fix(json.loads(schema)))
+    except ValueError:
+        return schema
+
+
 class GrammarCompiler:
     """Compiles `GuidedDecoding` specs for one tokenizer; xgrammar caches compiled grammars by spec."""
 
@@ -102,7 +122,7 @@ class GrammarCompiler:
                     '{"type": "object"}', any_whitespace=_ANY_WHITESPACE, strict_mode=False)))
             if kind == "json_schema":
                 return c.compile_grammar(bounded_json(self._xgr.Grammar.from_json_schema(
-                    spec.spec, any_whitespace=_ANY_WHITESPACE)))
+                    _tuple_items(spec.spec), any_whitespace=_ANY_WHITESPACE)))
             if kind == "regex":
                 return c.compile_regex(spec.spec)
             if kind == "choice":

@@ -47,8 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from engine.api.outputs import TokenLogprob
-from engine.core.plan import Chunk
-from engine.core.scheduler import Scheduler
+from engine.core.plan import Chunk, Queues
 from engine.core.sequence import Choice, Sequence
 from engine.sample.sampler import Sampler, advance
 from engine.spec.costs import (
@@ -89,13 +88,15 @@ class Verified:
 class SpeculativeDecoder:
     """Proposes drafts for the running sequences before a tick and verifies them after its forward."""
 
-    def __init__(self, scheduler: Scheduler, sampler: Sampler, k: int,
+    def __init__(self, queues: Callable[[], Queues], sampler: Sampler, k: int,
                  max_model_len: int, *, always: bool = True,
                  persistent: Callable[[str], Sequence | None] = lambda seq_id: None, drafter=None):
-        """`persistent`: a persistent sequence by id (a fork's parent is a draft source), None if gone.
+        """`queues`: the scheduler's public read of who runs and how many wait (`Scheduler.queues`), asked once a
+        tick by `propose`. `persistent`: a persistent sequence by id (a fork's parent is a draft source), None if gone.
         `drafter`: a `DraftModel` (engine/spec/draft_model.py) drafting where no model-free draft exists (or,
         under "auto", where it pays more than the lookup: `_model_pays_more`)."""
-        self.scheduler, self.sampler = scheduler, sampler  # the scheduler: read only (who runs, who waits)
+        self.queues, self.sampler = queues, sampler
+        self.n_running = 0  # sequences decoding this tick (`propose` reads it off `queues`)
         self.persistent, self.drafter = persistent, drafter
         self.k, self.max_model_len, self.always = k, max_model_len, always
         self.drafted = self.accepted = 0  # tokens proposed / kept, for reports
@@ -115,10 +116,11 @@ class SpeculativeDecoder:
     def propose(self) -> dict[Sequence, list[int]]:
         """A draft for every eligible running sequence (the scheduler may still cut it for room); with
         `always` off, only while few sequences decode and nothing prefills (`_quiet`)."""
-        running = self.scheduler.running
+        queues = self.queues()
+        running, self.n_running = queues.running, len(queues.running)
         # "auto" prices a draft against the same tick without one: until a tick of that many rows was timed
         # (a fresh engine; every tick drafted since), it runs one without drafts, which times it
-        quiet = self.always or (self._quiet(running) and self.costs.timed(len(running)))
+        quiet = self.always or (self._quiet(running, queues.n_waiting) and self.costs.timed(len(running)))
         by_model = []  # (sequence, its state, room): no free draft, the draft model's then
         self.indexes = {seq.seq_id: self.indexes[seq.seq_id] for seq in running if seq.seq_id in self.indexes}
         for seq in running:
@@ -143,17 +145,17 @@ class SpeculativeDecoder:
         state = self.state(seq)
         if not state.match:
             return False
-        base, ts = len(self.scheduler.running), self.drafter.token_seconds
+        base, ts = self.n_running, self.drafter.token_seconds
         lookup = self.costs.rate(base, self.matches.survival(state.match, len(state.tokens)), len(state.tokens))
         length = self._paced(seq, room, ts)
         model = self.costs.rate(base, geometric(kept_rate(state.kept, state.missed), length), length, ts)
         return model > lookup
 
-    def _quiet(self, running: list[Sequence]) -> bool:
+    def _quiet(self, running: list[Sequence], n_waiting: int) -> bool:
         """"auto" drafts only in a tick that is all decodes of few sequences: there the step streams every
         weight once for a few rows and drafted rows ride almost free. A prompt being prefilled (or waiting
         to be) makes the tick compute-bound, so drafts there would cost time and delay its first token."""
-        return (len(running) <= AUTO_MAX_DECODING and not self.scheduler.waiting
+        return (len(running) <= AUTO_MAX_DECODING and not n_waiting
                 and all(s.cache_target() - s.n_cached <= 1 for s in running))
 
     def _model_drafts(self, wanted: list[tuple[Sequence, DraftState, int]]) -> None:
@@ -184,7 +186,7 @@ class SpeculativeDecoder:
         if self.always or room <= 1:
             return room
         a = kept_rate(state.kept, state.missed)
-        return self.costs.best_length(len(self.scheduler.running), geometric(a, room), room, per_token=token_seconds)
+        return self.costs.best_length(self.n_running, geometric(a, room), room, per_token=token_seconds)
 
     def _draft_for(self, seq: Sequence, room: int) -> list[int]:
         followed = self._followed(seq)
@@ -204,7 +206,7 @@ class SpeculativeDecoder:
         own_short = found.own and found.matched < SHORT_MATCH  # judged by the sequence's record too
         state = self.state(seq)
         kept = calibrated(rates, state.short_expected, state.short_hits) if own_short else rates
-        draft = found.tokens[: self.costs.best_length(len(self.scheduler.running), kept, len(found.tokens), shortest=0)]
+        draft = found.tokens[: self.costs.best_length(self.n_running, kept, len(found.tokens), shortest=0)]
         state.match = found.matched if draft else 0  # what verify counts this draft's outcome under
         state.expect = sum(rates[: len(draft)]) if own_short else None
         return draft

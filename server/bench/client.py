@@ -31,6 +31,7 @@ class RequestOptions:
     ignore_eos: bool = False
     api_key: str | None = None
     extra_body: dict = field(default_factory=dict)
+    lora_ids: int = 0  # > 0: request i names llama.cpp's adapter id i % lora_ids (`lora: [{id, scale}]`)
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
@@ -52,13 +53,15 @@ class RequestOptions:
 ENDPOINT_PATHS = {"completions": "/v1/completions", "chat": "/v1/chat/completions"}
 
 
-def build_request(opts: RequestOptions, prompt: Prompt) -> tuple[str, dict]:
-    """The path and JSON body for one OpenAI-style streamed request."""
+def build_request(opts: RequestOptions, prompt: Prompt, index: int = 0) -> tuple[str, dict]:
+    """The path and JSON body for one OpenAI-style streamed request (the `index`-th of the run)."""
     if opts.endpoint == "chat":
         body = {"model": opts.model, "messages": prompt.as_messages()}
     else:
         body = {"model": opts.model, "prompt": prompt.as_text()}
     body.update(opts.sampling(prompt.max_tokens))
+    if opts.lora_ids:  # adapters alternating request by request (llama.cpp's field; cellserve reads it too)
+        body["lora"] = [{"id": index % opts.lora_ids, "scale": 1.0}]
     return ENDPOINT_PATHS[opts.endpoint], body
 
 

@@ -38,7 +38,7 @@ def make_job(workload: Workload, opts: RequestOptions, base_url: str) -> tuple[J
 
     async def request_job(client: httpx.AsyncClient, i: int, t0: float) -> list[RequestRecord]:
         prompt = workload.prompt(i)
-        path, body = build_request(opts, prompt)
+        path, body = build_request(opts, prompt, i)
         rec = RequestRecord(index=i, kind=opts.endpoint, group=prompt.group, max_tokens=prompt.max_tokens,
                             prompt_words=prompt.words, sent_at=time.perf_counter() - t0)
         return [await stream_request(client, base_url + path, body, rec, opts.headers())]

@@ -12,7 +12,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import matplotlib
+try:
+    import matplotlib
+except ImportError as exc:  # an extra: a server does not need it
+    raise ImportError("charts need matplotlib: pip install 'cellserve[plots]' (make's dev install has it)") from exc
 
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt

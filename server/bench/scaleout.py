@@ -5,9 +5,9 @@
 Each round starts every layout in turn (the order rotates from round to round, so a noisy neighbour
 hits them alike), as a fresh `cellserve serve` process on 127.0.0.1, and for each:
 1. probes the fixed cost of a request: sequential `GET /v1/models` (no engine work: the HTTP path and,
-   through the ingress, the Ray hop and the replica's in-process ASGI call) and sequential 1-token
+   with `--replicas`, Serve's proxy and the Ray hop to the replica) and sequential 1-token
    completions, client latency p50/p90, and the CPU time of the `cellserve` process (for `--replicas`:
-   the ingress alone) per request;
+   the launching process, which only waits) per request;
 2. warms the engine up, then runs `cellserve bench serve` (closed loop, streaming, EOS ignored) at
    each concurrency, recording output tokens/s, TTFT and the CPU time per request of the `cellserve`
    process and of every process it started (Ray's and the replicas' included);

@@ -84,6 +84,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ignore-eos", action="store_true", help="send ignore_eos: true (fixed output lengths)")
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--extra-body", help="JSON object merged into every request body")
+    g.add_argument("--lora-ids", type=int, default=0, help="N LoRA adapters loaded: request i names adapter id "
+                   "i %% N with llama.cpp's per-request `lora: [{id, scale}]` (llama-server and cellserve)")
     g = p.add_argument_group("output")
     g.add_argument("--slo", help="goodput objectives in ms, e.g. 'ttft=500,tpot=50,e2el=5000'")
     g.add_argument("--out", help="write every record and the summary to this JSON file")
@@ -196,7 +198,7 @@ async def _run_levels(args, levels: list[Level], workload: Workload, base: str) 
     model = await _resolve_model(args, base)
     opts = RequestOptions(model=model, endpoint=args.endpoint, temperature=args.temperature,
                           ignore_eos=args.ignore_eos, api_key=args.api_key,
-                          extra_body=_extra_body(args.extra_body))
+                          extra_body=_extra_body(args.extra_body), lora_ids=args.lora_ids)
     skipped = await _probe(args, base, opts)
     if skipped:
         return model, [LevelResult(level=lv, skipped=skipped) for lv in levels]

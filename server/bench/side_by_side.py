@@ -16,6 +16,8 @@ Two commands (see docs/performance.md, "Against llama.cpp's llama-server"):
         each), each started fresh, warmed up, then measured with `cellserve bench serve` at every
         `--concurrency` level; records each server's peak RSS (VmHWM of its process tree) and the
         load average, and prints one table with cellserve / llama-server ratios per round.
+        `--lora A.gguf --lora B.gguf ...`: both servers load the adapters and request i names adapter
+        i % N (llama.cpp's `lora: [{id, scale}]`, which cellserve reads too).
 
 Both servers bind 127.0.0.1 only. Only the processes this script starts are stopped (by pid).
 """
@@ -27,6 +29,7 @@ import json
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -147,11 +150,12 @@ def server_cmd(kind: str, args: argparse.Namespace, port: int) -> list[str]:
         repack = ["--no-repack"] if "amx_int8" in Path("/proc/cpuinfo").read_text() else []
         return [str(ANCHOR / "bin" / "llama-server"), "-m", args.gguf, "--host", "127.0.0.1", "--port", str(port),
                 "-np", str(args.parallel), "-c", str(args.n_ctx), "-t", str(args.threads), "-b", "2048",
-                "-ub", "512", *repack, *args.llama_args.split()]
+                "-ub", "512", *repack, *(["--lora", ",".join(args.lora)] if args.lora else []),
+                *args.llama_args.split()]
     return [sys.executable, "-m", "server.cli", "serve", "--model", args.model, "--dtype", args.dtype,
             "--threads", str(args.threads), "--host", "127.0.0.1", "--port", str(port),
             "--max-num-batched-tokens", "2048", "--n-cells", str(args.n_ctx), "--log-level", "warning",
-            *args.cellserve_args.split()]
+            *[f for k, path in enumerate(args.lora) for f in ("--lora", f"a{k}={path}")], *args.cellserve_args.split()]
 
 
 def bench_cmd(url: str, c: int, n: int, args: argparse.Namespace, out: Path, output_len: int) -> list[str]:
@@ -159,11 +163,25 @@ def bench_cmd(url: str, c: int, n: int, args: argparse.Namespace, out: Path, out
            "--num-requests", str(n), "--duration", str(args.duration), "--input-len", str(args.input_len),
            "--output-len", str(output_len), "--seed", "0", "--no-progress", "--timeout", "300", "--out", str(out)]
     cmd += [] if args.stop_at_eos else ["--ignore-eos"]
+    cmd += ["--lora-ids", str(len(args.lora))] if args.lora else []
     return cmd + (["--extra-body", args.extra_body] if args.extra_body else []) + args.bench_args.split()
 
 
+def _free_port(preferred: int) -> int:
+    """`preferred` when nothing listens there, else one the OS picks: a server already on the port would
+    answer /health in place of the one started here, and the run would measure it."""
+    for port in (preferred, 0):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise RuntimeError("no free port on 127.0.0.1")
+
+
 def one_server(kind: str, args: argparse.Namespace, work: Path, tag: str) -> dict:
-    port = args.port + (0 if kind == "llama-server" else 1)
+    port = _free_port(args.port + (0 if kind == "llama-server" else 1))
     url = f"http://127.0.0.1:{port}"
     log = work / f"{tag}.server.log"
     with log.open("w") as f:
@@ -264,6 +282,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--cellserve-args", default="", help="more `cellserve serve` flags (e.g. '--speculative off')")
     r.add_argument("--bench-args", default="", help="more `cellserve bench serve` flags (e.g. '--workload quote "
                    "--endpoint chat')")
+    r.add_argument("--lora", action="append", default=[], help="a LoRA adapter .gguf (convert_lora_to_gguf.py), "
+                   "repeatable: loaded by both servers, requests alternating adapters (llama.cpp's per-request lora)")
     r.add_argument("--stop-at-eos", action="store_true", help="let answers end at EOS (default: ignore_eos)")
     r.add_argument("--skip", default="", help="server kinds not to run (llama-server or cellserve)")
     r.add_argument("--cellserve-first", action="store_true")

@@ -2,9 +2,9 @@
 
 Vectors are the model's final hidden states pooled per input (`--pooling`: last by default, mean, cls) and
 unit length, computed by the engine on its own cells (engine/core/embedding.py). Rerank and score use the
-same vectors: a document's relevance is the cosine similarity of its vector and the query's, in [-1, 1]
-(one code path; a causal model was never trained as a cross-encoder, so no better score is on offer from
-it). `dimensions` is refused unless it is the vectors' own size (no model here was trained to truncate).
+same vectors by default: a document's relevance is the cosine similarity of its vector and the query's, in
+[-1, 1]; with `--rerank-mode yes-no` it is a causal reranker's P(yes) from its "yes"/"no" logits after a
+judging prompt (server/embeddings/yes_no.py, Qwen3-Reranker's way). `dimensions` is refused unless it is the vectors' own size (no model here was trained to truncate).
 """
 
 import base64
@@ -15,6 +15,7 @@ from fastapi.responses import Response
 
 from engine.api.ids import new_id
 from server.embeddings.protocol import EmbeddingRequest, RerankRequest, ScoreRequest
+from server.embeddings.yes_no import yes_no_scores
 from server.errors import APIError
 from server.generation.driver import ClientGone, await_or_disconnect
 from server.state import ServerContext
@@ -77,6 +78,10 @@ async def _embeddings(body: EmbeddingRequest, request: Request) -> dict:
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
 
 
+def _yes_no(request: Request) -> bool:
+    return getattr(request.app.state, "rerank_mode", None) == "yes-no"
+
+
 def _cosine(a: list[float], b: list[float]) -> float:
     return float(sum(x * y for x, y in zip(a, b)))  # both are unit length
 
@@ -89,8 +94,11 @@ async def rerank(body: RerankRequest, request: Request) -> dict | list | Respons
 async def _rerank(body: RerankRequest, request: Request) -> dict | list:
     ctx = ServerContext.of(request)
     docs = body.docs()
-    vectors, tokens = await _vectors(request, [body.query, *docs], "documents")
-    scores = [_cosine(vectors[0], v) for v in vectors[1:]]
+    if _yes_no(request):
+        scores, tokens = await yes_no_scores(request, [(body.query, d) for d in docs])
+    else:
+        vectors, tokens = await _vectors(request, [body.query, *docs], "documents")
+        scores = [_cosine(vectors[0], v) for v in vectors[1:]]
     order = sorted(range(len(scores)), key=lambda i: -scores[i])[:body.top_n or len(scores)]
     if body.texts is not None:  # TEI's answer: a bare list
         return [{"index": i, "score": scores[i], **({"text": docs[i]} if body.return_text else {})} for i in order]
@@ -108,9 +116,13 @@ async def score(body: ScoreRequest, request: Request) -> dict | Response:
 async def _score(body: ScoreRequest, request: Request) -> dict:
     ctx = ServerContext.of(request)
     pairs = body.pairs()
-    texts = list(dict.fromkeys(t for pair in pairs for t in pair))
-    vectors, tokens = await _vectors(request, texts, "text_1")
-    by_text = dict(zip(texts, vectors))
-    data = [{"index": i, "object": "score", "score": _cosine(by_text[a], by_text[b])} for i, (a, b) in enumerate(pairs)]
+    if _yes_no(request):  # text_1 is the query, text_2 the document
+        scores, tokens = await yes_no_scores(request, pairs)
+    else:
+        texts = list(dict.fromkeys(t for pair in pairs for t in pair))
+        vectors, tokens = await _vectors(request, texts, "text_1")
+        by_text = dict(zip(texts, vectors))
+        scores = [_cosine(by_text[a], by_text[b]) for a, b in pairs]
+    data = [{"index": i, "object": "score", "score": s} for i, s in enumerate(scores)]
     return {"id": new_id("score"), "object": "list", "model": ctx.model_name, "data": data,
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}

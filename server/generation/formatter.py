@@ -107,6 +107,11 @@ def vllm_prompt_logprobs(plp, token_str: TokenStr, k: int) -> list[dict | None]:
     return out
 
 
+# OpenAI's `system_fingerprint`: the backend build a response came from (llama.cpp's form, `b<build>`; /props says
+# the same build)
+SYSTEM_FINGERPRINT = "b0.1.0-cellserve"
+
+
 def join_logprobs(first: dict | None, then: dict) -> dict:
     if first is None:
         return then
@@ -115,7 +120,7 @@ def join_logprobs(first: dict | None, then: dict) -> dict:
 
 def completion_response(rid: str, created: int, model: str, choices: list[dict], use: dict) -> dict:
     return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": choices, "usage": use, "system_fingerprint": None}
+            "choices": choices, "usage": use, "system_fingerprint": SYSTEM_FINGERPRINT}
 
 
 def completion_choice(c: ChoiceState, token_str: TokenStr, want_logprobs: bool, prompt_lp: dict | None = None) -> dict:
@@ -128,7 +133,7 @@ def completion_choice(c: ChoiceState, token_str: TokenStr, want_logprobs: bool, 
 def chunk(obj: str, rid: str, created: int, model: str, choices: list[dict], with_usage: bool) -> dict:
     """One stream chunk; `usage: null` is present on every chunk iff include_usage was asked for."""
     out = {"id": rid, "object": obj, "created": created, "model": model, "choices": choices,
-           "system_fingerprint": None}
+           "system_fingerprint": SYSTEM_FINGERPRINT}
     if with_usage:
         out["usage"] = None
     return out
@@ -136,7 +141,7 @@ def chunk(obj: str, rid: str, created: int, model: str, choices: list[dict], wit
 
 def usage_chunk(obj: str, rid: str, created: int, model: str, use: dict) -> dict:
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": use,
-            "system_fingerprint": None}
+            "system_fingerprint": SYSTEM_FINGERPRINT}
 
 
 class Formatter:

@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response
 from engine.api.ids import new_id
 from server.errors import APIError, as_api_error
 from server.generation.driver import ClientGone, await_or_disconnect
+from server.generation.formatter import SYSTEM_FINGERPRINT
 from server.generation.run import GenerationRun
 from server.generation.sampling import build_sampling_params
 from server.generation.sse import STREAMED_200, SSEResponse
@@ -31,7 +32,7 @@ from server.llamacpp.slots import SLOTS, Slots
 from server.state import ServerContext
 
 router = APIRouter()
-BUILD = "cellserve 0.1.0"
+BUILD = SYSTEM_FINGERPRINT  # /props build_info: the build OpenAI responses name in system_fingerprint
 
 
 @router.post("/completion", responses=STREAMED_200)

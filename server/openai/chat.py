@@ -7,7 +7,7 @@ OpenAI's deltas (the first with id, type, name and `"arguments": ""`, then argum
 from dataclasses import dataclass
 
 from engine.api.outputs import CompletionOutput, TokenLogprob
-from server.generation.formatter import ChoiceState, Formatter, TokenStr
+from server.generation.formatter import SYSTEM_FINGERPRINT, ChoiceState, Formatter, TokenStr
 from server.generation.reasoning import ReasoningSplitter
 from server.generation.tools import HERMES, ToolFormat
 
@@ -28,7 +28,7 @@ def chat_logprobs(lps: list[TokenLogprob], token_str: TokenStr) -> dict:
 
 def chat_response(rid: str, created: int, model: str, choices: list[dict], use: dict) -> dict:
     return {"id": rid, "object": "chat.completion", "created": created, "model": model,
-            "choices": choices, "usage": use, "system_fingerprint": None}
+            "choices": choices, "usage": use, "system_fingerprint": SYSTEM_FINGERPRINT}
 
 
 def chat_choice(c: ChoiceState, token_str: TokenStr, want_logprobs: bool, content: str | None = None,

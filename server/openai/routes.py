@@ -50,6 +50,42 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
     ctx = ServerContext.of(request)
     engine = ctx.require_engine()
     ctx.limits.check_choices(1, body.n)
+    prompt, mode, fmt = await _chat_prompt(ctx, body)
+    max_tokens = body.max_new_tokens()
+    if max_tokens is None:
+        max_tokens = engine.max_tokens_left(len(prompt), body.n)
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    guided = None
+    if mode in ("required", "named") or (mode == "auto" and body.guided() is None):
+        guided = call_grammar(body.tools, body.tool_name(), parallel=body.parallel_tool_calls,
+                              triggered=mode == "auto", fmt=fmt)
+    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, guided=guided,
+                             **await token_rules(ctx, body))
+    reasoning = speaks_think(getattr(ctx.tokens.tok, "chat_template", None))
+    starts = reasoning and opens_thinking(await ctx.tokens.decode(prompt[-16:]))
+    setup = ToolSetup(fmt, tuple(body.tools), body.parallel_tool_calls, mode in ("required", "named")) \
+        if mode != "none" else False
+    run = GenerationRun(engine, new_id("chatcmpl"), [prompt], params, metrics=ctx.metrics)
+    out = ChatFormatter(run, model=ctx.model_name, token_str=ctx.tokens.token_str, n=body.n,
+                        want_logprobs=body.logprobs, include_usage=body.include_usage(), tools=setup,
+                        parallel_tool_calls=body.parallel_tool_calls, reasoning=reasoning, reasoning_starts=starts,
+                        include_stop_str=body.include_stop_str_in_output)
+    return await serve(request, ctx, run, out, stream=body.stream)
+
+
+@router.post("/v1/chat/completions/input_tokens")
+async def chat_input_tokens(body: ChatCompletionRequest, request: Request) -> dict:
+    """How many prompt tokens this chat request would take (llama.cpp's route; OpenAI's Responses and Anthropic
+    count the same way): its messages and tools rendered as `/v1/chat/completions` renders them; nothing runs."""
+    ctx = ServerContext.of(request)
+    ctx.require_engine()
+    prompt, _, _ = await _chat_prompt(ctx, body)
+    return {"object": "response.input_tokens", "input_tokens": len(prompt)}
+
+
+async def _chat_prompt(ctx: ServerContext, body: ChatCompletionRequest):
+    """The prompt ids of a chat request (its template, tools and reasoning options applied; truncated as it
+    asks), with its tool mode and the template's tool format."""
     template = getattr(ctx.tokens.tok, "chat_template", None)
     mode = body.tool_mode()
     fmt = format_for(template)
@@ -67,24 +103,4 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
         tools = template_tools(body.tools) if mode != "none" else None
         prompt = await ctx.tokens.prompt_ids(None, body.messages, tools=tools, template_kwargs=kwargs,
                                              add_generation_prompt=body.add_generation_prompt)
-    prompt = truncated(prompt, body)
-    max_tokens = body.max_new_tokens()
-    if max_tokens is None:
-        max_tokens = engine.max_tokens_left(len(prompt), body.n)
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    guided = None
-    if mode in ("required", "named") or (mode == "auto" and body.guided() is None):
-        guided = call_grammar(body.tools, body.tool_name(), parallel=body.parallel_tool_calls,
-                              triggered=mode == "auto", fmt=fmt)
-    params = sampling_params(body, max_tokens=max_tokens, logprobs=logprobs, guided=guided,
-                             **await token_rules(ctx, body))
-    reasoning = speaks_think(template)
-    starts = reasoning and opens_thinking(await ctx.tokens.decode(prompt[-16:]))
-    setup = ToolSetup(fmt, tuple(body.tools), body.parallel_tool_calls, mode in ("required", "named")) \
-        if mode != "none" else False
-    run = GenerationRun(engine, new_id("chatcmpl"), [prompt], params, metrics=ctx.metrics)
-    out = ChatFormatter(run, model=ctx.model_name, token_str=ctx.tokens.token_str, n=body.n,
-                        want_logprobs=body.logprobs, include_usage=body.include_usage(), tools=setup,
-                        parallel_tool_calls=body.parallel_tool_calls, reasoning=reasoning, reasoning_starts=starts,
-                        include_stop_str=body.include_stop_str_in_output)
-    return await serve(request, ctx, run, out, stream=body.stream)
+    return truncated(prompt, body), mode, fmt

@@ -2,8 +2,9 @@
 
 A move is built from the single server's own verbs, so it needs nothing new on a replica:
 `GET /v1/sequences` (is any member of the family generating?), `GET /v1/sequences/{id}/export?family=true`
-(one archive: tokens and cells, shared cells once), `POST /v1/sequences/import?new_ids=true` on the
-target (every sequence gets an id made there, so affinity routes it there) and `DELETE` of the originals,
+(one archive: tokens and cells, shared cells once), `DELETE /v1/cache/prefixes` on the target (an import
+takes only free cells: a pool full of cached prefixes would take the family without its cells),
+`POST /v1/sequences/import?new_ids=true` on the target (every sequence gets an id made there, so affinity routes it there) and `DELETE` of the originals,
 leaves first. The cells travel in the archive: a moved branch continues with its whole history cached.
 
 Guarantees: a family with a generating member is refused (`409`) before anything changes; if the import
@@ -12,19 +13,17 @@ imported copies are deleted again and the move is `409`. An unknown or restarted
 replica's own `404`; an unknown target is `400`, and so is the replica that already holds it.
 
 Drain moves every family off a replica (one move per family root) to the other replicas, fewest
-sequences first. It is a step before scaling down, not a scale-down: the replica stays up and new
-stateless requests still go to it (no scale-down mechanism exists; stop the replica yourself).
+sequences first; the replica stays up and new stateless requests still go to it. (A scale-down moves
+families by itself, keeping their ids: `replica.Engine.hand_off`.) Replicas are named by Ray Serve's
+replica id, as their ids carry it (`routing`).
 """
 
 import json
-import re
 
 from fastapi.responses import JSONResponse, Response
 
 from server.errors import error_body
-from server.ray_serve.routing import parse_id, replica_name
-
-NAME = re.compile(r"^r(\d+)$")
+from server.ray_serve.routing import parse_id
 
 
 class MoveFailed(Exception):
@@ -39,13 +38,11 @@ def refuse(status: int, message: str, code: str) -> MoveFailed:
     return MoveFailed(JSONResponse(error_body(status, message, code=code), status_code=status))
 
 
-def replica_index(name: object, n: int) -> int:
-    """Index of replica `name` (`r0`..`r{n-1}`); a 400 saying which names exist otherwise."""
-    m = NAME.match(name) if isinstance(name, str) else None
-    if m is None or int(m.group(1)) >= n:
-        raise refuse(400, f"unknown replica {name!r}: name one of {', '.join(replica_name(i) for i in range(n))}",
-                     "unknown_replica")
-    return int(m.group(1))
+def known_replica(name: object, replicas: list[str]) -> str:
+    """`name` if it is one of the running replicas; a 400 saying which names exist otherwise."""
+    if not isinstance(name, str) or name not in replicas:
+        raise refuse(400, f"unknown replica {name!r}: name one of {', '.join(replicas)}", "unknown_replica")
+    return name
 
 
 def family_of(seq_id: str, listed: list[dict]) -> list[dict]:
@@ -69,30 +66,30 @@ def roots(listed: list[dict]) -> list[str]:
 
 
 class Mover:
-    """Moves families for one ingress request; `send(i, method, path, query, body)` -> (status, body bytes)
-    asks replica i with the client's headers (its API key), `n` is how many replicas there are."""
+    """Moves families for one request; `send(replica, method, path, query, body)` -> (status, body bytes)
+    asks that replica with the client's headers (its API key); `replicas` are the running replicas."""
 
-    def __init__(self, send, n: int):
-        self.send, self.n = send, n
+    def __init__(self, send, replicas: list[str]):
+        self.send, self.replicas = send, replicas
 
-    async def _json(self, i: int, method: str, path: str, query: bytes = b"", body: bytes = b"",
+    async def _json(self, i: str, method: str, path: str, query: bytes = b"", body: bytes = b"",
                     ok: tuple[int, ...] = (200,)):
         status, content = await self.send(i, method, path, query, body)
         if status not in ok:
             raise MoveFailed(Response(content, status_code=status, media_type="application/json"))
         return json.loads(content) if status == 200 and content else None
 
-    async def listed(self, i: int) -> list[dict]:
+    async def listed(self, i: str) -> list[dict]:
         return (await self._json(i, "GET", "/v1/sequences"))["data"]
 
-    async def move(self, seq_id: str, target: int) -> dict[str, str]:
-        """Move `seq_id`'s family to replica `target`; {old id: new id}. Raises MoveFailed."""
-        parsed = parse_id(seq_id)
-        if parsed is None or parsed[0] >= self.n:
-            raise refuse(404, f"sequence {seq_id} not found (no replica made this id)", "sequence_not_found")
-        source = parsed[0]
+    async def move(self, seq_id: str, target: str, source: str | None = None) -> dict[str, str]:
+        """Move `seq_id`'s family (on `source`, default: the replica its id names) to replica `target`;
+        {old id: new id}. Raises MoveFailed."""
+        source = source or parse_id(seq_id)
+        if source is None or source not in self.replicas:
+            raise refuse(404, f"sequence {seq_id} not found (no running replica made this id)", "sequence_not_found")
         if source == target:
-            raise refuse(400, f"sequence {seq_id} is already on replica {replica_name(target)}; name another",
+            raise refuse(400, f"sequence {seq_id} is already on replica {target}; name another",
                          "same_replica")
         info = await self._json(source, "GET", f"/v1/sequences/{seq_id}")  # a 404 (or restarted) as is
         family = family_of(info["id"], await self.listed(source))
@@ -103,11 +100,12 @@ class Mover:
         archive = await self.send(source, "GET", f"/v1/sequences/{seq_id}/export", b"family=true", b"")
         if archive[0] != 200:
             raise MoveFailed(Response(archive[1], status_code=archive[0], media_type="application/json"))
+        await self._json(target, "DELETE", "/v1/cache/prefixes")  # an import only takes free cells: make them free
         ids = (await self._json(target, "POST", "/v1/sequences/import", b"new_ids=true", archive[1]))["ids"]
         await self._drop_originals(source, target, ids)
         return ids
 
-    async def _drop_originals(self, source: int, target: int, ids: dict[str, str]) -> None:
+    async def _drop_originals(self, source: str, target: str, ids: dict[str, str]) -> None:
         """Delete the originals, leaves first; a refusal undoes the import (the originals stay where they were)."""
         for old in reversed(list(ids)):
             status, content = await self.send(source, "GET", f"/v1/sequences/{old}", b"", b"")
@@ -119,24 +117,24 @@ class Mover:
         for old in reversed(list(ids)):
             await self._json(source, "DELETE", f"/v1/sequences/{old}", ok=(200, 404))
 
-    async def drain(self, source: int, load) -> dict:
-        """Move every family off replica `source`, each to the other replica holding fewest sequences
-        (then least loaded: `load(i)`); families that could not move are listed with why."""
-        others = [i for i in range(self.n) if i != source]
+    async def drain(self, source: str) -> dict:
+        """Move every family off replica `source`, each to the other replica holding fewest sequences;
+        families that could not move are listed with why."""
+        others = [i for i in self.replicas if i != source]
         if not others:
             raise refuse(400, "there is no other replica to drain to", "no_other_replica")
         held = {i: len(await self.listed(i)) for i in others}
         moved, failed, ids = {}, {}, {}
         listed = await self.listed(source)
         for root in roots(listed):
-            target = min(others, key=lambda i: (held[i], load(i)))
+            target = min(others, key=lambda i: held[i])
             try:
-                got = await self.move(root, target)
+                got = await self.move(root, target, source)
             except MoveFailed as exc:
                 failed[root] = json.loads(exc.response.body or b"{}").get("error", {}).get("message", "")
                 continue
             held[target] += len(got)
-            moved[root] = replica_name(target)
+            moved[root] = target
             ids.update(got)
-        return {"object": "replica.drained", "replica": replica_name(source), "ids": ids, "families": moved,
+        return {"object": "replica.drained", "replica": source, "ids": ids, "families": moved,
                 "not_moved": failed}

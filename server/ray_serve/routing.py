@@ -1,45 +1,50 @@
-"""Routing decisions of the scale-out ingress, free of Ray and torch (unit-testable, cheap to import).
+"""Routing helpers of the scale-out deployment, free of Ray and torch (unit-testable, cheap to import).
 
-- **Affinity**: every id a replica makes carries `r<index>-<boot>-` after its kind (`seq-r1-3f9a2c01-<hex>`,
-  see `engine.api.ids.set_tag`); a request about one (its path names it, or a Responses request's
-  `previous_response_id` does) goes to that replica. The index says which replica holds the sequence or runs the request, so
-  routing needs no table and survives an ingress restart; the boot token (random per replica start)
-  lets a restarted replica tell a sequence it never had (`404`, "the replica restarted") from one
-  that never existed.
-- **Least loaded**: a stateless request goes to the replica with the fewest requests (the larger of
-  what this ingress has in flight there and the replica's last reported running + waiting); ties
-  rotate. A replica that just failed is skipped for `DOWN_S` unless every replica is down.
-- **Prefix**: the replica that last served a request whose first 256/1024/4096/16384 characters are
-  the same holds those tokens as a cached prefix (automatic prefix sharing); such a request goes
-  there unless that replica is `PREFIX_SLACK` requests busier than the least loaded one.
+- **Affinity**: every id a replica makes carries `r<replica>-` after its kind (`seq-rAb3dE9fG-<hex>`, see
+  `engine.api.ids.set_tag`), where `<replica>` is Ray Serve's unique id of that replica (8 letters and
+  digits, new at every start of a replica process). A request about an id (its path names it, or a Responses
+  request's `previous_response_id` does) goes to that replica, so routing needs no table; a replica that is
+  gone (restarted, removed) leaves ids no live replica has: such a request is answered `404` saying so.
+  A family moved off a replica before it was removed keeps its ids: its new holder reports them
+  (`held`, in its routing stats), and the router sends them there.
+- **Prefix**: a replica reports the hashes of the first 256/1024/4096/16384 characters of the prompts it
+  served lately (`prefixes` in its routing stats); a request whose prompt starts the same goes to the
+  replica with the longest such match unless it is `PREFIX_SLACK` requests busier than the least loaded.
+- **Least loaded**: otherwise the replica with the fewest requests (Ray Serve's own queue lengths; the
+  replicas' reported running + waiting break ties).
 """
 
 import hashlib
 import json
 import re
-import time
 from collections import OrderedDict
 
-ID = re.compile(r"^[a-z]+[-_]r(\d+)-([0-9a-f]{8})-[0-9a-f]{32}$")
+ID = re.compile(r"^[a-z]+[-_]r([A-Za-z0-9]{8})-[0-9a-f]{32}$")
 ROUTED = re.compile(r"^/v1/(?:sequences|requests|responses)/([^/]+)(?:/[^/]*)?$")
 PREFIX_CHARS = (256, 1024, 4096, 16384)
 PREFIX_SLACK = 4
-PREFIX_ENTRIES = 4096
-DOWN_S = 10.0
+PREFIX_ENTRIES = 512  # per replica, reported every routing-stats period: keep the report small
 
 
-def replica_tag(index: int, boot: str) -> str:
-    return f"r{index}-{boot}-"
+def replica_tag(replica: str) -> str:
+    return f"r{replica}-"
 
 
-def replica_name(index: int) -> str:
-    return f"r{index}"
-
-
-def parse_id(some_id: str) -> tuple[int, str] | None:
-    """(replica index, boot token) of an id a replica made; None for any other string."""
+def parse_id(some_id: str) -> str | None:
+    """The replica (Ray Serve's unique replica id) that made `some_id`; None for any other string."""
     m = ID.match(some_id)
-    return (int(m.group(1)), m.group(2)) if m else None
+    return m.group(1) if m else None
+
+
+def parse_replicas(text: str) -> int | tuple[int, int]:
+    """`N` (fixed) or `auto:MIN-MAX` (Serve's autoscaling); ValueError saying the forms otherwise."""
+    if text.startswith("auto:"):
+        low, _, high = text[5:].partition("-")
+        if low.isdigit() and high.isdigit() and 1 <= int(low) <= int(high):
+            return int(low), int(high)
+    elif text.isdigit() and int(text) >= 1:
+        return int(text)
+    raise ValueError(f"--replicas {text!r}: give a count (2) or an autoscaling range auto:MIN-MAX (auto:1-4)")
 
 
 def routed_id(path: str, body: bytes = b"") -> str | None:
@@ -59,66 +64,37 @@ def routed_id(path: str, body: bytes = b"") -> str | None:
     return previous if isinstance(previous, str) else None
 
 
-class LoadBoard:
-    """Which replica a stateless request goes to; counts are advisory (no lock: one event loop)."""
-
-    def __init__(self, n: int):
-        self.inflight = [0] * n
-        self.reported = [0] * n
-        self.down_until = [0.0] * n
-        self._next = 0
-
-    def load(self, i: int) -> int:
-        return max(self.inflight[i], self.reported[i])
-
-    def up(self, i: int) -> bool:
-        return time.monotonic() >= self.down_until[i]
-
-    def mark_down(self, i: int) -> None:
-        self.down_until[i] = time.monotonic() + DOWN_S
-
-    def mark_up(self, i: int) -> None:
-        self.down_until[i] = 0.0
-
-    def least_loaded(self) -> int:
-        n = len(self.inflight)
-        order = [(self._next + k) % n for k in range(n)]
-        live = [i for i in order if self.up(i)] or order
-        best = min(live, key=self.load)  # min keeps the first of equals: the rotation breaks ties
-        self._next = (best + 1) % n
-        return best
-
-
-class PrefixTable:
-    """LRU map from hashes of a prompt's leading characters to the replica that last served them."""
+class RecentPrefixes:
+    """LRU set of hashes of the leading characters of prompts one replica served (what it holds cached)."""
 
     def __init__(self, entries: int = PREFIX_ENTRIES):
         self.entries = entries
-        self._map: OrderedDict[bytes, int] = OrderedDict()
+        self._keys: OrderedDict[str, None] = OrderedDict()
 
     @staticmethod
-    def keys(text: str) -> list[bytes]:
-        return [hashlib.blake2b(text[:n].encode("utf-8", "surrogatepass"), digest_size=16).digest()
+    def keys(text: str) -> list[str]:
+        """Hex hashes of the text's first 256, 1024, ... characters (shortest first; only those it has)."""
+        return [hashlib.blake2b(text[:n].encode("utf-8", "surrogatepass"), digest_size=8).hexdigest()
                 for n in PREFIX_CHARS if len(text) >= n]
 
-    def lookup(self, text: str) -> int | None:
-        for key in reversed(self.keys(text)):  # longest first
-            if key in self._map:
-                self._map.move_to_end(key)
-                return self._map[key]
-        return None
-
-    def record(self, text: str, replica: int) -> None:
+    def record(self, text: str) -> None:
         for key in self.keys(text):
-            self._map[key] = replica
-            self._map.move_to_end(key)
-        while len(self._map) > self.entries:
-            self._map.popitem(last=False)
+            self._keys[key] = None
+            self._keys.move_to_end(key)
+        while len(self._keys) > self.entries:
+            self._keys.popitem(last=False)
 
-    def forget(self, replica: int) -> None:
-        """A restarted replica holds no cached prefix any more."""
-        for key in [k for k, v in self._map.items() if v == replica]:
-            del self._map[key]
+    def report(self) -> list[str]:
+        return list(self._keys)
+
+
+def longest_match(keys: list[str], reported: dict[str, set[str]]) -> str | None:
+    """The replica whose reported prefixes hold the longest of `keys` (shortest first); None if none does."""
+    for key in reversed(keys):
+        for replica, held in reported.items():
+            if key in held:
+                return replica
+    return None
 
 
 def prompt_text(path: str, body: bytes) -> str | None:

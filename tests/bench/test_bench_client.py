@@ -471,6 +471,14 @@ def test_duration_bounds_a_closed_loop_run(fresh, tmp_path):
     assert lv["summary"]["requests"] == len(lv["records"]) == fresh.state.count >= 1
 
 
+def test_lora_ids_alternate_llama_cpp_adapter_ids_by_request(fresh, tmp_path):
+    """--lora-ids 3: request i carries llama.cpp's `lora: [{"id": i % 3, "scale": 1.0}]` (the adapter side-by-side)."""
+    rc = main(["--url", fresh.url, "--concurrency", "1", "--num-requests", "7", "--input-len", "3",
+               "--output-len", "2", "--lora-ids", "3", "--out", str(tmp_path / "l.json")])
+    assert rc == 0
+    assert [b["lora"] for b in fresh.state.bodies] == [[{"id": i % 3, "scale": 1.0}] for i in range(7)]
+
+
 def test_unreachable_server_and_usage_errors(tmp_path, capsys):
     with socket.socket() as s:  # a port nobody listens on
         s.bind(("127.0.0.1", 0))

@@ -17,5 +17,6 @@ def test_closed_loop_reports_paths_and_gaps(capsys):
     assert native.generated_tokens != 6 * 6  # output lengths drawn from [3, 9]
     for row in (native, modules):
         assert 0 < row.gap_p50_ms <= row.gap_p99_ms and row.gap_cpu_p99_ms > 0
+        assert 0 <= row.outside_forward < 1  # the forward was timed: a share of the step, not none of it
     print_table([native, modules], modules)
     assert "gap p50/p99" in capsys.readouterr().out

@@ -243,3 +243,10 @@ def test_a_mounted_gguf_is_served_quantized(mounted, hf):
             break
         ids.append(token)
     assert text.strip()  # the chat answer (its first token may be a near tie: "Paris" or not)
+
+
+def test_the_image_stays_within_1_5_gb():
+    """The issue's goal with CPU torch: the GGUF rather than a float32 copy, no ray extra (cellserve:ray has it),
+    no pip, torch headers or test binaries, no matplotlib (docker/Dockerfile says why each)."""
+    size = int(docker("image", "inspect", "-f", "{{.Size}}", IMAGE).stdout.strip())
+    assert size <= 1.5e9, f"{IMAGE} is {size / 1e9:.2f} GB"

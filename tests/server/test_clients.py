@@ -10,13 +10,12 @@ import math
 import subprocess
 import sys
 
+import langchain_openai  # the dev extra has it; no skip
 import pydantic
 import pytest
 import torch
 from http_support import LiveServer
 from tool_support import TOOLS
-
-langchain_openai = pytest.importorskip("langchain_openai")
 
 
 @pytest.fixture(scope="module")

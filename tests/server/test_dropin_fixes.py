@@ -55,3 +55,36 @@ def test_json_object_with_a_schema_is_held_to_the_schema(srv):
         broken = c.post("/v1/chat/completions", json={**body, "response_format": {"type": "json_object",
                                                                                    "schema": {"type": 7}}})
         assert broken.status_code == 400 and "response_format" in broken.json()["error"]["param"]
+
+
+def test_system_fingerprint_and_chat_input_tokens(srv):
+    """Every completion names its build in `system_fingerprint` (a string, as OpenAI documents it; /props says the
+    same build); `/chat/completions/input_tokens` counts exactly the prompt tokens the chat route then reports."""
+    client = openai.OpenAI(base_url=srv.url, api_key="unused", max_retries=0)
+    turns = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Who is Romeo?"}]
+    chat = client.chat.completions.create(model="m", messages=turns, max_tokens=3, temperature=0)
+    text = client.completions.create(model="m", prompt="ROMEO:", max_tokens=3, temperature=0)
+    with srv.client() as c:
+        build = c.get("/props").json()["build_info"]
+        assert chat.system_fingerprint == text.system_fingerprint == build and build.startswith("b")
+        stream = c.post("/v1/chat/completions", json={"messages": turns, "max_tokens": 2, "stream": True}).text
+        assert all(json.loads(line[6:])["system_fingerprint"] == build
+                   for line in stream.splitlines() if line.startswith("data: {"))
+        for path in ("/v1/chat/completions/input_tokens", "/chat/completions/input_tokens"):
+            got = c.post(path, json={"messages": turns})
+            assert got.status_code == 200 and got.json()["input_tokens"] == chat.usage.prompt_tokens
+        assert c.post("/chat/completions/input_tokens", json={"messages": "hi"}).status_code == 400
+
+
+def test_tuple_items_of_older_json_schema_drafts_are_honoured(srv):
+    """`"items": [A, B]` (drafts 4-7's tuple form, which llama.cpp's tests send) constrains each position, as
+    2020-12's `prefixItems` does; `additionalItems: false` ends the array there."""
+    schema = {"type": "array", "items": [{"type": "integer"}, {"enum": ["Romeo"]}], "additionalItems": False,
+              "minItems": 2}
+    with srv.client() as c:
+        got = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "a list"}], "max_tokens": 60,
+                                                   "temperature": 0, "response_format": {"type": "json_object",
+                                                                                         "schema": schema}})
+    assert got.status_code == 200, got.text
+    value = json.loads(got.json()["choices"][0]["message"]["content"])
+    assert isinstance(value[0], int) and value[1:] == ["Romeo"]

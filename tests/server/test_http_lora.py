@@ -4,13 +4,16 @@ parent and bytes; the load/unload routes (behind --api-key), their refusals; the
 adapter's cells to another (usage.prompt_tokens_details.cached_tokens). Real uvicorn, real engine; the oracle
 is PEFT's merged model run by `generate` (engine_support.generate_oracle)."""
 
+import json
+
 import httpx
 import pytest
 import torch
 from engine_support import generate_oracle
 from http_support import API_KEY, MODEL_NAME, LiveServer, metric_value
 from lora_support import ATTN, peft_adapter
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 PROMPT = "ROMEO: But soft, what light through yonder window breaks? JULIET: O Romeo, Romeo"
 
@@ -72,6 +75,12 @@ def test_load_unload_refusals_are_clear_and_change_nothing(model_dir, adapters, 
     used, not in use); an r 32 adapter (192 kB) can never fit: 507."""
     paths, oracles = adapters
     big, _ = peft_adapter(oracles[None], tmp_path / "big", r=32)
+    moe = tmp_path / "moe"  # an adapter of a mixture-of-experts model's experts
+    moe.mkdir()
+    key = "base_model.model.model.layers.0.mlp.experts.2.up_proj"
+    save_file({f"{key}.lora_A.weight": torch.zeros(4, 8), f"{key}.lora_B.weight": torch.zeros(8, 4)},
+              str(moe / "adapter_model.safetensors"))
+    (moe / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
     with LiveServer(model_dir, lora_modules={"a": paths["a"]}, api_key=API_KEY, max_lora_memory=50_000) as srv:
         with httpx.Client(base_url=srv.url, timeout=60) as anon:
             assert anon.post("/v1/load_lora_adapter", json={"lora_name": "b", "lora_path": paths["b"]}).status_code == 401
@@ -81,6 +90,7 @@ def test_load_unload_refusals_are_clear_and_change_nothing(model_dir, adapters, 
                 ({"lora_name": "a", "lora_path": paths["b"]}, 400, "already loaded"),
                 ({"lora_name": MODEL_NAME, "lora_path": paths["b"]}, 400, "base model's name"),
                 ({"lora_name": "big", "lora_path": big}, 507, "more than max_lora_memory"),
+                ({"lora_name": "moe", "lora_path": str(moe)}, 400, "targets layers.0.mlp.experts.2.up_proj"),
             ]
             for body, status, words in cases:
                 r = c.post("/v1/load_lora_adapter", json=body)
@@ -108,3 +118,30 @@ def test_an_adapter_request_never_reuses_the_bases_cached_prefix(model_dir, adap
         assert cached("a") == 0  # not the base's cells
         assert cached("b") == 0  # nor "a"'s
         assert cached("a") >= 32 and cached("b") >= 32  # each its own
+
+
+def test_responses_and_messages_take_the_adapter_as_model(model_dir, adapters):
+    """/v1/responses and /v1/messages (no ignore_eos there): the adapter named as `model` gives its PEFT model's
+    greedy reply to the chat-templated prompt, up to its first end-of-sequence token; the base's name the base's."""
+    paths, oracles = adapters
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    turn = [{"role": "user", "content": "hi"}]
+    ids = list(tok.apply_chat_template(turn, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"])
+    eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    stops = set(eos if isinstance(eos, list) else [eos]) | {tok.eos_token_id}
+
+    def reply(name):
+        out = generate_oracle(oracles[name], ids, 8)
+        cut = next((i for i, t in enumerate(out) if t in stops), len(out))
+        return tok.decode(out[:cut], skip_special_tokens=True)
+
+    want = {"a": reply("a"), MODEL_NAME: reply(None)}
+    assert want["a"] and want["a"] != want[MODEL_NAME]
+    with LiveServer(model_dir, lora_modules={"a": paths["a"]}) as srv, srv.client() as c:
+        for model, text in want.items():
+            r = c.post("/v1/responses", json={"model": model, "input": "hi", "max_output_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["output"][-1]["content"][0]["text"] == text, model
+            r = c.post("/v1/messages", json={"model": model, "messages": turn, "max_tokens": 8, "temperature": 0})
+            assert r.status_code == 200, r.text
+            assert r.json()["content"][0]["text"] == text, model

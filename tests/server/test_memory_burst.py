@@ -1,15 +1,15 @@
 """A burst of huge and hostile requests against a real `cellserve serve` (issue #47): the bundled model, a warm-up
 burst, then 64 requests (at most 30 s) of prompts up to the context, bodies near the limit, `n` x prompts bombs, prompt-logprob requests,
-streams dropped early and malformed bodies (tests/burst_support.py), then 10 s idle.
+streams dropped early and malformed bodies (server/bench/burst.py), then 10 s idle.
 
 - The peak during the burst stays within the README's bound: R, the RSS before the burst (runtime, weights, caches,
   and what the warm-up burst left: that part, below, is not in the formula) + the cell pool + the step buffers'
   bound (both from /metrics, `cellserve:memory_bytes`) + the requests in flight (each at most IN_FLIGHT_COPIES x
   its body: the bytes as received and joined, the JSON text, the parsed prompt).
 - Once idle, the idle trim (gc + malloc_trim, server/memory.py) gives back at least TRIM_MIN_MIB of the peak.
-- RSS 10 s after the burst is within GROWTH_MAX_MIB of the figure after the warm-up burst. The issue asks for 50
-  MiB; a burst leaves 100-110 MiB of native memory in use on the HTTP path today (docs/performance.md, "A burst,
-  and what comes back"), so this bound guards against worse while that is found.
+- RSS 10 s after the burst is within GROWTH_MAX_MIB (the issue's 50 MB) of the figure after the warm-up burst:
+  what a burst leaves in use is bounded by construction (oneDNN's primitive caches are capped,
+  engine/model/onednn.py), and the warm-up fills those bounds.
 Every answer is a 200 or a 4xx; each kind of request got its 200 or its expected 400.
 """
 
@@ -18,8 +18,9 @@ import time
 
 import httpx
 import pytest
-from burst_support import Burst, RssWatch
 from soak_support import ROOT, ServerProcess
+
+from server.bench.burst import Burst, RssWatch
 
 WARM_S, BURST_S, IDLE_S = 30, 30, 10
 REQUESTS = 64  # a burst is this many requests (or BURST_S seconds): the load measured here, on any machine
@@ -27,8 +28,8 @@ CLIENTS = 8
 MAX_BODY = 8 << 20
 IN_FLIGHT_COPIES = 4  # a body in flight: its chunks, the joined bytes, the JSON text, the parsed prompt
 TRIM_MIN_MIB = 30
-GROWTH_MAX_MIB = 150
 MIB = 1 << 20
+GROWTH_MAX_MIB = 50e6 / MIB  # the issue's 50 MB
 
 
 def wait_idle(url: str, timeout: float = 120) -> None:

@@ -1,114 +1,48 @@
-"""Scale-out on Ray Serve, end to end: a real local Ray instance, 2 replicas of the tiny model, one ingress.
+"""Scale-out on Ray Serve, end to end: `cellserve serve --replicas 2` (a real local Ray, 2 replicas of the tiny
+model, Serve's own HTTP proxy in front, our RequestRouter choosing the replica).
 
-Everything goes over HTTP through Ray Serve's proxy, as a client would: completions, chat, streaming,
-errors, sequences with forks across many sequences (each operation must land on the replica that
-holds the sequence, checked against every replica's own `/v1/cache`), cancel, the aggregated routes,
-and the fault case (a replica's process SIGKILLed mid-generation: its in-flight requests end with a
-503 or an error event, the other replica keeps serving, Ray Serve restarts it, its old sequences
-answer 404 saying it restarted). Ray is started once for the module (~30 s on 2 cores) and shut down
-after it (`serve.shutdown`, `ray.shutdown`); the test is skipped without the `ray` extra.
+Everything goes over HTTP through Serve's proxy, as a client would: completions, chat, streaming, errors,
+sequences with forks across many fork trees (each operation must land on the replica that holds the sequence,
+checked against every replica's own `/v1/cache`, and the history must not be prefilled again: the prompt tokens
+prefilled in `/metrics` grow by exactly the uncached tokens the answers report), stored responses continued on
+their replica, cancel, the aggregated routes, moves and drains, and the fault case (a replica's process
+SIGKILLed mid-generation: its requests end, the other replica keeps serving, Serve restarts it, its old
+sequences answer 404 saying the replica is gone). Ray is started once for the module and must stop within
+10 s of SIGTERM, leaving no process behind (`ray_support.serving`).
 """
 
 import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
+import ray.serve  # noqa: F401  (the ray extra: make installs it; no skip)
+from ray.serve._private.common import RequestMetadata
+from ray.serve.request_router import PendingRequest
+from ray_support import serving
 from tiny_models import save_tiny_model_dir
 
-pytest.importorskip("ray.serve")
-
 from server.ray_serve.moves import family_of, roots
-from server.ray_serve.routing import merge_metrics, parse_id, routed_id
+from server.ray_serve.router import CellserveRouter
+from server.ray_serve.routing import RecentPrefixes, merge_metrics, parse_id, parse_replicas, routed_id
 
 LONG = 4000  # tokens: far more ticks than any mid-stream action needs
-FAMILIES = 40  # x 26 operations each: over 1,000 sequence operations in the affinity test
-
-
-def descendants(pid: int) -> set[int]:
-    """Every live process below `pid` (Ray's gcs_server, raylet, workers, replicas...), from /proc."""
-    parent = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat") as f:
-                    parent[int(entry)] = int(f.read().rsplit(")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                pass
-    found, frontier = set(), {pid}
-    while frontier:
-        frontier = {p for p, pp in parent.items() if pp in frontier} - found
-        found |= frontier
-    return found
+TREES = 20  # fork trees in the affinity test (x 20 operations each)
 
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory):
-    """`cellserve serve --replicas 2` (a local Ray, 2 CPUs, small object store) as a user runs it; on
-    teardown SIGTERM must make it exit 0 and leave none of the processes it started behind."""
     tmp = tmp_path_factory.mktemp("tiny-ray")
     model = str(save_tiny_model_dir(tmp / "model", seed=0, max_positions=4096))
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    log = open(tmp / "serve.log", "w+")  # noqa: SIM115 -- closed in the fixture's finally
-    cmd = [sys.executable, "-m", "server.cli", "serve", "--model", model, "--port", str(port), "--n-cells", "16384",
-           "--replicas", "2", "--threads-per-replica", "1", "--served-model-name", "tiny-llama",
-           "--log-level", "warning", "--shutdown-grace", "1"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 150
-        while True:
-            assert proc.poll() is None, f"cellserve serve --replicas exited: {tail(log)}"
-            assert time.monotonic() < deadline, f"not ready within 150 s: {tail(log)}"
-            try:
-                if httpx.get(base + "/health", timeout=5).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            time.sleep(0.5)
+    with serving(tmp, model, "--replicas", "2") as base:
         yield base
-    finally:
-        started = descendants(proc.pid)
-        proc.send_signal(signal.SIGTERM)
-        try:
-            rc = proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # its own process group: only what this test started
-            rc = proc.wait(10)
-        deadline = time.monotonic() + 20
-        while (left := started & descendants(1)) and time.monotonic() < deadline:
-            time.sleep(0.5)
-        log_tail = tail(log)
-        log.close()
-    assert rc == 0, f"SIGTERM: exit status {rc}: {log_tail}"
-    assert not alive(left), f"processes left behind: {sorted(alive(left))}"
-
-
-def tail(log, n: int = 3000) -> str:
-    log.flush()
-    log.seek(0)
-    return log.read()[-n:]
-
-
-def alive(pids: set[int]) -> set[int]:
-    out = set()
-    for p in pids:
-        try:
-            with open(f"/proc/{p}/stat") as f:
-                if f.read().rsplit(")", 1)[1].split()[0] != "Z":
-                    out.add(p)
-        except OSError:
-            pass
-    return out
 
 
 def client(url: str) -> httpx.Client:
@@ -116,26 +50,39 @@ def client(url: str) -> httpx.Client:
 
 
 def replica_of(some_id: str) -> str:
-    parsed = parse_id(some_id)
-    assert parsed is not None, f"{some_id!r} carries no replica tag"
-    return f"r{parsed[0]}"
+    made_by = parse_id(some_id)
+    assert made_by is not None, f"{some_id!r} carries no replica tag"
+    return made_by
 
 
-def test_core_routes_through_the_ingress(url):
+def replicas(c: httpx.Client) -> list[str]:
+    health = c.get("/health")
+    assert health.status_code == 200, health.text
+    return sorted(health.json()["replicas"])
+
+
+def prefilled(c: httpx.Client) -> float:
+    """Prompt tokens prefilled, summed over the replicas (the aggregated /metrics)."""
+    text = c.get("/metrics").text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("cellserve:prompt_tokens_total{"))
+
+
+def test_core_routes_through_serves_proxy(url):
     with client(url) as c:
-        health = c.get("/health")
-        assert health.status_code == 200 and set(health.json()["replicas"]) == {"r0", "r1"}
+        names = replicas(c)
+        assert len(names) == 2
         assert c.get("/v1/models").json()["data"][0]["id"] == "tiny-llama"
 
         seen = set()
-        for _ in range(4):
+        for _ in range(12):
             r = c.post("/v1/completions", json={"prompt": "hello", "max_tokens": 4, "temperature": 0})
             assert r.status_code == 200, r.text
-            assert r.headers["x-cellserve-route"] == "least-loaded"
-            assert r.headers["x-request-id"] == r.json()["id"] and replica_of(r.json()["id"]) == \
-                r.headers["x-cellserve-replica"]
+            # one X-Request-ID, the response's id (Serve's proxy's own is dropped), made by the replica that answered
+            assert r.headers.get_list("x-request-id") == [r.json()["id"]]
+            assert replica_of(r.json()["id"]) == r.headers["x-cellserve-replica"]
             seen.add(r.headers["x-cellserve-replica"])
-        assert seen == {"r0", "r1"}  # idle replicas tie: the rotation spreads them
+        assert seen == set(names)  # idle replicas tie: both get requests
 
         chat = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                     "max_tokens": 4})
@@ -144,6 +91,8 @@ def test_core_routes_through_the_ingress(url):
         bad = c.post("/v1/completions", json={"prompt": "x", "max_tokens": -1})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "max_tokens"
         assert c.get("/v1/sequences/seq-nope").status_code == 404
+        gone = c.get(f"/v1/sequences/seq-rzzzzzzzz-{'0' * 32}")
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "replica_gone"
 
         with c.stream("POST", "/v1/chat/completions", json={
                 "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True}) as s:
@@ -153,18 +102,21 @@ def test_core_routes_through_the_ingress(url):
         assert json.loads(events[0][6:])["object"] == "chat.completion.chunk"
 
         metrics = c.get("/metrics").text
-        assert 'replica="r0"' in metrics and 'replica="r1"' in metrics
+        assert all(f'replica="{n}"' in metrics for n in names)
         assert metrics.count("# TYPE cellserve:cells_total gauge") == 1
         cache = c.get("/v1/cache").json()
         assert cache["cells"]["total"] == sum(v["cells"]["total"] for v in cache["replicas"].values())
         cleared = c.delete("/v1/cache/prefixes").json()  # every replica clears its own cached prefixes
-        assert cleared["object"] == "cache.prefixes.cleared" and set(cleared["replicas"]) == {"r0", "r1"}
+        assert cleared["object"] == "cache.prefixes.cleared" and set(cleared["replicas"]) == set(names)
         assert cleared["freed_cells"] == sum(cleared["replicas"].values())
         assert c.get("/v1/cache").json()["cells"]["cached"] == 0
 
 
-def test_sequence_operations_never_cross_replicas(url):
-    """Many sequences, forks of forks, continuations, truncates and deletes: each lands where its id says."""
+def test_fork_trees_stay_on_their_replica_and_are_not_recomputed(url):
+    """20 fork trees, every turn through the proxy: each lands on the replica holding its cells (200 there),
+    and the prompt tokens prefilled grow by exactly the uncached tokens of each turn (the history is not
+    prefilled again, which a turn on the wrong replica would have to do, or 404)."""
+    uncached = {"n": 0, "created": 0}
     ops = {"n": 0}
 
     async def run() -> list[str]:
@@ -173,44 +125,55 @@ def test_sequence_operations_never_cross_replicas(url):
                 r = await c.request(method, path, **kw)
                 assert r.status_code == 200, (path, r.text)
                 if "/v1/sequences/" in path:
-                    assert r.headers["x-cellserve-route"] == "affinity"
                     assert r.headers["x-cellserve-replica"] == replica_of(path.split("/")[3])
+                body = r.json()
+                if method == "POST" and path == "/v1/sequences":
+                    uncached["created"] += body["length"]  # a new sequence prefills its prompt (if not cached)
+                if "usage" in body:
+                    usage = body["usage"]
+                    uncached["n"] += usage["prompt_tokens"] - usage["prompt_tokens_details"]["cached_tokens"]
                 ops["n"] += 1
-                return r.json()
+                return body
 
-            async def family(k: int) -> list[str]:
+            async def tree(k: int) -> list[str]:
                 root = await op("POST", "/v1/sequences", json={"prompt": f"story {k}:"})
                 ids = [root["id"]]
                 for j in range(6):
                     parent = ids[j % len(ids)]
-                    await op("POST", f"/v1/sequences/{parent}/completions", json={"max_tokens": 2, "temperature": 0})
+                    await op("POST", f"/v1/sequences/{parent}/completions",
+                             json={"max_tokens": 2, "temperature": 0, "prompt": f" turn {j}"})
                     child = await op("POST", f"/v1/sequences/{parent}/fork", json={})
                     assert replica_of(child["id"]) == replica_of(parent)  # a fork stays on its parent's replica
                     ids.append(child["id"])
-                    await op("POST", f"/v1/sequences/{child['id']}/truncate", json={"length": 2})
                     await op("GET", f"/v1/sequences/{child['id']}")
                 await op("DELETE", f"/v1/sequences/{ids.pop()}")
                 return ids
 
-            families = await asyncio.gather(*(family(k) for k in range(FAMILIES)))
-            return [i for ids in families for i in ids]
+            trees = await asyncio.gather(*(tree(k) for k in range(TREES)))
+            return [i for ids in trees for i in ids]
 
-    kept = asyncio.run(run())
-    assert ops["n"] >= 1000
-    assert {replica_of(i) for i in kept} == {"r0", "r1"}
     with client(url) as c:
+        before = prefilled(c)
+    kept = asyncio.run(run())
+    assert ops["n"] == TREES * 20
+    with client(url) as c:
+        grown = prefilled(c) - before
         cache = c.get("/v1/cache").json()
         listed = {s["id"]: s["replica"] for s in c.get("/v1/sequences").json()["data"]}
+        names = replicas(c)
+    assert {replica_of(i) for i in kept} == set(names)
+    assert uncached["n"] > 0 and uncached["n"] <= grown <= uncached["n"] + uncached["created"], (grown, uncached)
     for name, view in cache["replicas"].items():
         assert all(replica_of(s["id"]) == name for s in view["sequences"])
     assert set(kept) <= set(listed) and all(listed[i] == replica_of(i) for i in kept)
 
 
 def test_stored_responses_are_continued_on_their_replica(url):
-    """A stored response is a sequence on one replica: continuing it (`previous_response_id`), reading it
-    and its input items go there, whichever replica the first turn landed on."""
+    """A stored response is a sequence on one replica: continuing it (`previous_response_id`, in the body the
+    proxy does not show the router: the replica it lands on hands it on), reading it and its input items go
+    there, whichever replica the first turn landed on."""
     with client(url) as c:
-        for k in range(4):  # least-loaded spreads the first turns over both replicas
+        for k in range(6):
             first = c.post("/v1/responses", json={"input": f"story {k}:", "max_output_tokens": 2})
             assert first.status_code == 200, first.text
             rid = first.json()["id"]
@@ -218,7 +181,6 @@ def test_stored_responses_are_continued_on_their_replica(url):
                 nxt = c.post("/v1/responses", json={"input": "go on", "previous_response_id": rid,
                                                      "max_output_tokens": 2})
                 assert nxt.status_code == 200, nxt.text
-                assert nxt.headers["x-cellserve-route"] == "affinity"
                 assert nxt.headers["x-cellserve-replica"] == replica_of(rid)
                 assert nxt.json()["usage"]["input_tokens_details"]["cached_tokens"] > 0
                 rid = nxt.json()["id"]
@@ -235,7 +197,7 @@ def test_cancel_goes_to_the_replica_running_the_request(url):
         next(line for line in lines if line.startswith("data: "))
         with client(url) as c2:
             r = c2.post(f"/v1/requests/{rid}/cancel")
-        assert r.status_code == 200 and r.headers["x-cellserve-route"] == "affinity", r.text
+        assert r.status_code == 200, r.text
         assert r.headers["x-cellserve-replica"] == replica_of(rid)
         chunks = [json.loads(line[6:]) for line in lines if line.startswith("data: {")]
     assert chunks[-1]["choices"][0]["finish_reason"] == "cancelled"
@@ -248,28 +210,69 @@ def test_client_going_away_cancels_on_the_replica(url):
         next(line for line in s.iter_lines() if line.startswith("data: "))
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(url + "/v1/completions", json=body, timeout=httpx.Timeout(60, read=1.0))
-    deadline = time.monotonic() + 5  # a 4,000-token generation takes far longer than this
+    deadline = time.monotonic() + 10  # a 4,000-token generation takes far longer than this
     with client(url) as c:
         while (running := c.get("/v1/cache").json()["requests"]["running"]) and time.monotonic() < deadline:
-            time.sleep(0.1)
+            time.sleep(0.2)
     assert running == 0
+
+
+def test_prefix_routing_prefers_the_replica_that_reported_the_prompt():
+    """The router (run here on stand-in replicas carrying the stats Serve would give it): an id goes to the
+    replica that made it or reports holding it; a prompt whose prefix a replica reports goes there unless it
+    is `PREFIX_SLACK` busier; otherwise every replica, least reported load first."""
+    router = object.__new__(CellserveRouter)  # choose_replicas needs no router state
+    system = "You are a terse assistant who answers in one line. " * 8
+    held = RecentPrefixes()
+    held.record(system + "first question")
+
+    def replica(uid: str, **stats) -> SimpleNamespace:
+        return SimpleNamespace(replica_id=SimpleNamespace(unique_id=uid), routing_stats=stats)
+
+    def choose(candidates, path: str, body: bytes = b"", **kw) -> list[list[str]]:
+        async def go():
+            pending = PendingRequest(args=["POST", path, b"", [], body], kwargs=kw, metadata=RequestMetadata(
+                request_id="x", internal_request_id="y", call_method="forward"))
+            return await CellserveRouter.choose_replicas(router, candidates, pending)
+
+        return [[r.replica_id.unique_id for r in rank] for rank in asyncio.run(go())]
+
+    a, b = replica("aaaaaaaa", load=0, prefixes=held.report()), replica("bbbbbbbb", load=0, prefixes=[])
+    c = replica("cccccccc", load=0, prefixes=[], held=["seq-rdeadbeef-" + "1" * 32])
+    body = json.dumps({"prompt": system + "another question", "max_tokens": 2}).encode()
+    assert choose([b, a, c], "/v1/completions", body)[0] == ["aaaaaaaa"]
+    unheld = choose([b, c], "/v1/completions", body)
+    assert len(unheld) == 1 and sorted(unheld[0]) == ["bbbbbbbb", "cccccccc"]
+    busy = replica("aaaaaaaa", load=9, prefixes=held.report())
+    assert "aaaaaaaa" not in choose([busy, b], "/v1/completions", body)[0][:1]
+    assert choose([a, b, c], f"/v1/sequences/seq-rbbbbbbbb-{'2' * 32}/completions") == [["bbbbbbbb"]]
+    assert choose([a, b, c], f"/v1/sequences/seq-rdeadbeef-{'1' * 32}") == [["cccccccc"]]  # moved there
+    assert choose([a, b, c], "/v1/models", replica="cccccccc") == [["cccccccc"]]
+    assert "aaaaaaaa" not in choose([a, b], "/v1/sequences/import", avoid="aaaaaaaa")[0]
+    loaded = replica("bbbbbbbb", load=5)
+    assert choose([loaded, a], "/v1/models")[0] == ["aaaaaaaa", "bbbbbbbb"]
 
 
 def test_killed_replica_fails_fast_restarts_and_says_so(url):
     with client(url) as c:
-        seqs: dict[str, list[str]] = {"r0": [], "r1": []}
-        while len(seqs["r1"]) < 2 or not seqs["r0"]:
+        names = replicas(c)
+        seqs: dict[str, list[str]] = {n: [] for n in names}
+        while len(seqs[names[1]]) < 2 or not seqs[names[0]]:
             made = c.post("/v1/sequences", json={"prompt": "s"}).json()["id"]
             seqs[replica_of(made)].append(made)
-        (victim, other), survivor = seqs["r1"][:2], seqs["r0"][0]
-        pid = c.get("/health").json()["replicas"]["r1"]["pid"]
+        doomed = names[1]
+        (victim, other), survivor = seqs[doomed][:2], seqs[names[0]][0]
+        pid = c.get("/health").json()["replicas"][doomed]["pid"]
 
     results: dict = {}
 
-    def blocking_call():  # a non-streaming request in flight on r1
+    def blocking_call():  # a non-streaming request in flight on the doomed replica
         with client(url) as c3:
-            results["blocking"] = c3.post(f"/v1/sequences/{other}/completions",
-                                          json={"max_tokens": LONG, "ignore_eos": True})
+            try:
+                results["blocking"] = c3.post(f"/v1/sequences/{other}/completions",
+                                              json={"max_tokens": LONG, "ignore_eos": True})
+            except httpx.HTTPError as exc:  # the connection may be cut as well: that ends it too
+                results["blocking"] = exc
 
     t = threading.Thread(target=blocking_call)
     with client(url) as c, c.stream("POST", f"/v1/sequences/{victim}/completions", json={
@@ -277,48 +280,35 @@ def test_killed_replica_fails_fast_restarts_and_says_so(url):
         lines = s.iter_lines()
         next(line for line in lines if line.startswith("data: "))
         t.start()
-        deadline = time.monotonic() + 30  # the blocking request must be running on r1 before the kill (on a
-        while c.get("/v1/cache").json()["requests"]["running"] < 2:  # loaded machine 0.5 s was not always enough)
+        deadline = time.monotonic() + 30  # the blocking request must be running there before the kill
+        while c.get("/v1/cache").json()["requests"]["running"] < 2:
             assert time.monotonic() < deadline, "the blocking request never started"
             time.sleep(0.05)
         t0 = time.monotonic()
         os.kill(pid, signal.SIGKILL)
-        tail = [line for line in lines if line.startswith("data: ")]
+        try:
+            tail = [line for line in lines if line.startswith("data: ")]
+        except httpx.HTTPError:  # Serve's proxy may cut the stream rather than end it
+            tail = []
         assert time.monotonic() - t0 < 30
     t.join(60)
-    assert tail[-1] == "data: [DONE]"
-    err = json.loads(tail[-2][6:])["error"]
-    assert err["code"] == "replica_unavailable" and "r1" in err["message"]
-    assert results["blocking"].status_code == 503 and "retry-after" in results["blocking"].headers, \
-        results["blocking"].text
-    assert "r1" in results["blocking"].json()["error"]["message"]
+    assert not t.is_alive()
+    assert not tail or tail[-1] != "data: [DONE]" or "error" in tail[-2]  # not a normal finish
+    blocking = results["blocking"]
+    assert isinstance(blocking, httpx.HTTPError) or blocking.status_code >= 500, blocking.text
 
     with client(url) as c:
         r = c.post(f"/v1/sequences/{survivor}/completions", json={"max_tokens": 2})
         assert r.status_code == 200, r.text  # the other replica kept serving
-        deadline = time.monotonic() + 90
-        while (h := c.get("/health")).status_code != 200 or h.json()["replicas"]["r1"]["pid"] == pid:
-            if h.status_code != 200:
-                assert "r1" in h.json()["error"]["message"] and "r0" not in h.json()["error"]["message"]
-            assert time.monotonic() < deadline, "replica r1 was not restarted within 90 s"
-            time.sleep(0.5)
+        deadline = time.monotonic() + 120
+        while (h := c.get("/health")).status_code != 200 or len(h.json()["replicas"]) != 2 \
+                or doomed in h.json()["replicas"]:
+            assert time.monotonic() < deadline, f"the killed replica was not replaced within 120 s: {h.text}"
+            time.sleep(1.0)
         gone = c.post(f"/v1/sequences/{victim}/completions", json={"max_tokens": 2})
-        assert gone.status_code == 404 and "restarted" in gone.json()["error"]["message"]
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "replica_gone"
+        assert doomed in gone.json()["error"]["message"]
         assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
-
-
-def test_prefix_routing_follows_the_cached_prompt(url):
-    """A repeated long system prompt goes back to the replica that cached it, and hits its prefix cache."""
-    system = "You are a terse assistant who answers in one line. " * 8
-    body = {"messages": [{"role": "system", "content": system}, {"role": "user", "content": "hi"}], "max_tokens": 2}
-    with client(url) as c:
-        first = c.post("/v1/chat/completions", json=body)
-        again = [c.post("/v1/chat/completions", json=body) for _ in range(3)]
-    assert first.status_code == 200
-    for r in again:
-        assert r.headers["x-cellserve-route"] == "prefix", r.headers
-        assert r.headers["x-cellserve-replica"] == first.headers["x-cellserve-replica"]
-        assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 
 def test_single_server_does_not_import_ray():
@@ -334,7 +324,11 @@ def test_routing_helpers():
     assert routed_id("/v1/responses", b'{"input": "hi"}') is None
     assert routed_id("/v1/responses", b'{"previous_response_id": 5}') is None
     assert routed_id("/v1/responses", b'[not json "previous_response_id"') is None
-    assert parse_id("seq-r12-0badf00d-" + "a" * 32) == (12, "0badf00d")
+    assert parse_id("seq-rab12cd34-" + "a" * 32) == "ab12cd34" and parse_id("resp_rAB12cd34-" + "f" * 32) == "AB12cd34"
+    assert parse_replicas("3") == 3 and parse_replicas("auto:1-3") == (1, 3)
+    for bad in ("0", "auto:3-1", "auto:1", "x"):
+        with pytest.raises(ValueError, match="auto:MIN-MAX"):
+            parse_replicas(bad)
     text = {"r0": '# HELP x_total X.\n# TYPE x_total counter\nx_total{k="a"} 1.0\n# TYPE y gauge\ny 2.0\n',
             "r1": '# HELP x_total X.\n# TYPE x_total counter\nx_total{k="a"} 3.0\n# TYPE y gauge\ny 4.0\n'}
     assert merge_metrics(text).splitlines() == [
@@ -345,17 +339,14 @@ def test_routing_helpers():
 GREEDY = {"temperature": 0, "max_tokens": 4}
 
 
-def other_than(name: str) -> str:
-    return "r1" if name == "r0" else "r0"
-
-
 def test_move_a_family_to_another_replica(url):
     """A parent and two continued forks move together: new ids route to the target, tokens are the same,
     the cells came along (no re-prefill) and a greedy continuation is what it would have been unmoved."""
     with client(url) as c:
+        names = replicas(c)
         parent = c.post("/v1/sequences", json={"prompt": "once upon a time"}).json()["id"]
         source = replica_of(parent)
-        target = other_than(source)  # creates go least-loaded: move to whichever replica it is not on
+        target = next(n for n in names if n != source)
         c.post(f"/v1/sequences/{parent}/completions", json=GREEDY).raise_for_status()
         forks = [c.post(f"/v1/sequences/{parent}/fork", json={}).json()["id"] for _ in range(2)]
         for k, fork in enumerate(forks):
@@ -367,9 +358,9 @@ def test_move_a_family_to_another_replica(url):
         expected = oracle["choices"][0]["text"]
         c.delete(f"/v1/sequences/{probe}").raise_for_status()
 
-        assert c.post(f"/v1/sequences/{parent}/move", json={"replica": "r9"}).status_code == 400
+        assert c.post(f"/v1/sequences/{parent}/move", json={"replica": "nosuchre"}).status_code == 400
         assert c.post(f"/v1/sequences/{parent}/move", json={"replica": source}).status_code == 400  # already there
-        assert c.post(f"/v1/sequences/seq-{source}-00000000-{'0' * 32}/move", json={"replica": target}).status_code == 404
+        assert c.post(f"/v1/sequences/seq-r{source}-{'0' * 32}/move", json={"replica": target}).status_code == 404
         moved = c.post(f"/v1/sequences/{forks[0]}/move", json={"replica": target})
         assert moved.status_code == 200, moved.text
         body = moved.json()
@@ -395,7 +386,8 @@ def test_move_a_family_to_another_replica(url):
         deadline = time.monotonic() + 30
         while c.get(f"/v1/sequences/{busy}").json()["status"] == "idle" and time.monotonic() < deadline:
             time.sleep(0.05)
-        refused = c.post(f"/v1/sequences/{busy}/move", json={"replica": other_than(replica_of(busy))})
+        elsewhere = next(n for n in names if n != replica_of(busy))
+        refused = c.post(f"/v1/sequences/{busy}/move", json={"replica": elsewhere})
         assert refused.status_code == 409 and "generating" in refused.json()["error"]["message"]
         assert c.get(f"/v1/sequences/{busy}").status_code == 200
         c.delete(f"/v1/sequences/{busy}")  # cancels the generation
@@ -408,17 +400,15 @@ def test_drain_moves_every_family_off_a_replica(url):
         fork = c.post(f"/v1/sequences/{mine}/fork", json={}).json()["id"]
         name = replica_of(mine)
         held = [s["id"] for s in c.get("/v1/sequences").json()["data"] if s["replica"] == name]
-        started = time.monotonic()
         drained = c.post(f"/v1/replicas/{name}/drain")
-        took = time.monotonic() - started
         assert drained.status_code == 200, drained.text
         body = drained.json()
         assert body["object"] == "replica.drained" and body["not_moved"] == {}
-        assert set(body["ids"]) == set(held) >= {mine, fork}, (len(held), took)
+        assert set(body["ids"]) == set(held) >= {mine, fork}
         listed = c.get("/v1/sequences").json()["data"]
         assert not [s for s in listed if s["replica"] == name]
         assert {s["id"] for s in listed} >= set(body["ids"].values())
-        assert c.post("/v1/replicas/r7/drain").status_code == 400
+        assert c.post("/v1/replicas/nosuchre/drain").status_code == 400
         assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
 
 

@@ -418,7 +418,7 @@ def test_sdk_parse_returns_a_parsed_object_on_a_real_model(server):
 
 def test_langchain_json_mode_on_a_real_model(server):
     """LangChain's with_structured_output(method="json_mode") sends json_object: the reply parses as JSON."""
-    langchain_openai = pytest.importorskip("langchain_openai")
+    import langchain_openai  # the dev extra has it
     llm = langchain_openai.ChatOpenAI(base_url=server.url + "/v1", api_key="unused", model=NAME, max_tokens=200,
                                       temperature=0, max_retries=0)
     out = llm.with_structured_output(None, method="json_mode").invoke(

@@ -153,7 +153,8 @@ def test_dropped_stream_leaves_nothing(srv, client):
     # r1 is its sequence's tip again: the next turn appends in place
     r2 = client.responses.create(model="m", input="Again", previous_response_id=r1.id, **GREEDY)
     assert seq_of(srv, r2.id) == seq_of(srv, r1.id)
-    assert r2.usage.input_tokens_details.cached_tokens == r1.usage.total_tokens - 1
+    # every token of r1 is cached (>=: run again in one server, an earlier run's identical turns match further)
+    assert r2.usage.input_tokens_details.cached_tokens >= r1.usage.total_tokens - 1
 
 
 def test_store_is_bounded(model_dir):

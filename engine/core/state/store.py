@@ -205,13 +205,14 @@ class DurableStore:
         return out
 
 
-def restore_cells(seq, rec: SequenceRecord, scheduler, read) -> int:
+def restore_cells(seq, rec: SequenceRecord, scheduler, read, reserve: int | None = None) -> int:
     """`seq` (just made, no cells) gets cells for up to `rec.cells_n` tokens: shared with an already restored
     sequence where their tokens agree (a family's prefix lands in the pool once), the rest loaded from the
-    chunks (`read(key) -> (k, v)`: the cell files, or an archive's tensors); see `load_chunks`. Returns the
-    tokens that have cells."""
+    chunks (`read(key) -> (k, v)`: the cell files, or an archive's tensors); see `load_chunks` (`reserve`
+    None, a start's restore: free cells only; 0, an import: cached prefixes and idle sequences make room, as
+    for a prefill). Returns the tokens that have cells."""
     spans = [(key, a, b) for key, (a, b) in zip(rec.chunks, chunk_bounds(rec.cells_n))]
-    return load_chunks(seq, spans, min(rec.cells_n, len(seq.token_ids) - 1), scheduler, read)
+    return load_chunks(seq, spans, min(rec.cells_n, len(seq.token_ids) - 1), scheduler, read, reserve)
 
 
 def load_chunks(seq, spans: list[tuple[str, int, int]], n: int, scheduler, read, reserve: int | None = None) -> int:

@@ -63,6 +63,13 @@ class DenseMLP:
 
     def __init__(self, gate, up, down, gate_up_bias=None, act: str = "silu", gate_up=None):
         self.gate, self.up, self.down, self.gate_up_bias, self.act, self.gate_up = gate, up, down, gate_up_bias, act, gate_up
+        # the product's code chosen once here, not tested per call (a decode step calls it once a layer)
+        if act != "silu":
+            self.glu = self._geglu
+        elif gate_up is not None:
+            self.glu = gate_up.swiglu
+        else:
+            self.glu = self._swiglu
 
     @staticmethod
     def of(mlp, act: str) -> "DenseMLP":
@@ -77,19 +84,22 @@ class DenseMLP:
         return self.down(g) if residual is None else self.down.plus(g, residual)
 
     def glu(self, h: torch.Tensor) -> torch.Tensor:
-        """`act(gate(h)) * up(h)`: SwiGLU in one small-row kernel call at one row, else two fused oneDNN calls;
-        GeGLU from the gate and up outputs."""
-        if self.act != "silu":
-            if self.gate_up is not None:
-                y = self.gate_up(h)
-                n = y.shape[1] // 2
-                return F.gelu(y[:, :n], approximate="tanh").mul_(y[:, n:])
-            return F.gelu(self.gate(h), approximate="tanh").mul_(self.up(h))
-        if self.gate_up is not None:
-            return self.gate_up.swiglu(h)
+        """`act(gate(h)) * up(h)` (replaced per instance by the code for its activation and layout)."""
+        raise NotImplementedError  # pragma: no cover - __init__ binds one of the methods below
+
+    def _swiglu(self, h: torch.Tensor) -> torch.Tensor:
+        """SwiGLU in one small-row kernel call at one row, else two fused oneDNN calls."""
         if self.gate.is_small(h):
             return small_swiglu(self.gate, self.up, h, self.gate_up_bias)
         return self.up.times(h, self.gate.silu(h))
+
+    def _geglu(self, h: torch.Tensor) -> torch.Tensor:
+        """GeGLU from the gate and up outputs (one [gate; up] call where quantized)."""
+        if self.gate_up is not None:
+            y = self.gate_up(h)
+            n = y.shape[1] // 2
+            return F.gelu(y[:, :n], approximate="tanh").mul_(y[:, n:])
+        return F.gelu(self.gate(h), approximate="tanh").mul_(self.up(h))
 
 
 class Layer:

@@ -123,6 +123,8 @@ class NativeLlama:
                            for i, (layer, w, t) in enumerate(zip(base.layers, windows, types))]
             self.embed, self.norm, self.head = quant.model_weights(tensors)
         self.windows = sorted(set(windows), key=lambda w: -1 if w is None else w)
+        if family.embed_scale is None:
+            self._embed = self._lookup
         self.norm_eps = norm_eps(base.norm)
         self.rotary = base.rotary_emb
         attn = base.layers[0].self_attn
@@ -145,22 +147,30 @@ class NativeLlama:
             linear.small = small
 
     def forward(self, cache: CellCache, tokens: torch.Tensor, plan: StepPlan, rows: torch.Tensor,
-                lora=None, hidden: bool = False) -> torch.Tensor:
+                lora=None, hidden_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Logits `[len(rows), vocab]` (fp32) of the given rows of this planned step; `lora`: the step's
-        adapters (engine/model/lora.py `StepLora`), each adding its update to its own rows. `hidden`: the rows'
-        final hidden states `[len(rows), hidden]` (fp32, after the final norm, before the head) instead."""
+        adapters (engine/model/lora.py `StepLora`), each adding its update to its own rows. Second: the final
+        hidden states `[len(hidden_rows), hidden]` (the forward's dtype, after the final norm, before the head) of
+        `hidden_rows` (embeddings), or None. The norm is per row: a row's hidden state is the same whichever
+        other rows are asked for."""
         x = self._embed(tokens)
         attend = Attend(plan, self.n_kv, self.n_heads // self.n_kv, self.windows, x.device, self.fused)
         ropes = self._ropes(x, plan.positions)
-        for i, (layer, pools) in enumerate(zip(self.layers, cache.layers)):
+        cells = plan.kv_cells
+        for pools in cache.layers:
             if not pools.is_initialized:  # the pools take their shape from the first K/V they see
                 kv = x.new_zeros(1, self.n_kv, 1, self.head_dim)
                 pools.lazy_initialization(kv, kv)
-            x = self._layer(layer, x, pools, ropes[layer.layer_type], plan.kv_cells, attend,
-                            lora.layer(i) if lora is not None else None)
-        x = self._norm(x.index_select(0, rows), self.norm, self.norm_eps)
-        if hidden:
-            return x.float()
+        for i, (layer, pools) in enumerate(zip(self.layers, cache.layers)):
+            deltas = None if lora is None else lora.layer(i)
+            x = self._layer(layer, x, pools, ropes[layer.layer_type], cells, attend, deltas)
+        hidden = None
+        if hidden_rows is not None:
+            hidden = self._norm(x.index_select(0, hidden_rows), self.norm, self.norm_eps)
+        return self.logits(self._norm(x.index_select(0, rows), self.norm, self.norm_eps)), hidden
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """The LM head (and the family's soft-cap) over final hidden states `x` (after the final norm): fp32."""
         logits = self.head(x).float()
         cap = self.family.softcap
         return logits if cap is None else torch.tanh(logits / cap) * cap
@@ -168,9 +178,13 @@ class NativeLlama:
     def _embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """The token rows `[T, H]` (a quantized table, QuantEmbedding, looks its rows up itself), scaled where the
         family scales them (Gemma: by sqrt(hidden), rounded to the rows' dtype as transformers rounds it)."""
-        x = F.embedding(tokens, self.embed) if isinstance(self.embed, torch.Tensor) else self.embed(tokens)
+        x = self._lookup(tokens)
         scale = self.family.embed_scale
         return x if scale is None else x * torch.tensor(scale, dtype=x.dtype)
+
+    def _lookup(self, tokens: torch.Tensor) -> torch.Tensor:
+        """The token rows, unscaled (`_embed` itself where the family does not scale them)."""
+        return F.embedding(tokens, self.embed) if isinstance(self.embed, torch.Tensor) else self.embed(tokens)
 
     def _ropes(self, x: torch.Tensor, positions: torch.Tensor) -> dict:
         """The step's RoPE tables (cos, sin) by layer type: one for every layer, or one per type where the family's
@@ -181,7 +195,7 @@ class NativeLlama:
             cos, sin = self.rotary(x, positions[None], kind) if kind is not None else self.rotary(x, positions[None])
             out[kind] = (cos[0], sin[0]) if self.fused else _eager_rope(cos, sin, self.head_dim)
         if not self.family.rope_by_type:  # every layer reads the one table, whatever its type
-            out = dict.fromkeys({layer.layer_type for layer in self.layers}, out[None])
+            out |= dict.fromkeys({layer.layer_type for layer in self.layers}, out[None])
         return out
 
     def _layer(self, layer: Layer, x, pools, rope, cells, attend, lora=None) -> torch.Tensor:
@@ -189,7 +203,7 @@ class NativeLlama:
         h = self._norm(x, layer.ln1, layer.eps1)
         qkv = layer.qkv(h)
         if lora is not None:
-            lora.add("qkv", h, qkv)
+            qkv = lora.add("qkv", h, qkv)
         if layer.q_norm is not None:
             self._qk_norm(layer, qkv)
         q = self._rope_store(qkv, rope, pools, cells)
@@ -197,11 +211,11 @@ class NativeLlama:
         if layer.post_attn is None:
             x = layer.o.plus(a, x)
             if lora is not None:
-                lora.add("o", a, x)
+                x = lora.add("o", a, x)
         else:
             o = layer.o(a)
             if lora is not None:
-                lora.add("o", a, o)
+                o = lora.add("o", a, o)
             x = x + self._norm(o, layer.post_attn, layer.eps1).to(x.dtype)
         h = self._norm(x, layer.ln2, layer.eps2)
         mlp = layer.mlp if lora is None else lora.mlp(layer.mlp)

@@ -11,6 +11,10 @@ expert: a GEMM for many rows, the one-row kernels at one row), and its weighted 
 read: a decode step streams the active parameters, not the file. Each row's sum runs over its experts in
 ascending expert id whatever the other rows are (as transformers' `index_add_` loop does), so a row
 computes as alone wherever the expert kernels do (engine/model/native/rows.py).
+K-quant experts at up to `FUSED_ROWS` rows take one `quant_moe` call instead (csrc/quant_experts.cpp: the same
+grouping in C++, every chosen expert on the row kernel, the weighted sum fused): bitwise the loop above over
+the row kernel, without its per-expert Python and kernel calls (a decode step of the Qwen3-30B-A3B-scaled file:
+1.46x; docs/performance.md).
 
 Experts are held two ways, one copy each:
 - `FloatExperts`: the transformers model's stacked 3-D parameters (`gate_up_proj` [E, 2I, H],
@@ -25,9 +29,15 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engine.loader.gguf_tensors import BLOCK_WEIGHTS, KIND_IDS, QuantWeight
 from engine.model.native.linear import Linear
-from engine.model.native.quant import linear_of
+from engine.model.native.quant import QuantLinear, _fast, linear_of
 from engine.model.native.rows import must_match_alone
+
+# Up to this many rows a step (decode of up to 32 sequences, speculative verification) runs the experts in one
+# `quant_moe` call, each expert's rows on the row kernel; more (prefill) expert by expert, where each expert's
+# rows take the GEMM or bf16 tiles (faster from ~12-16 rows an expert: engine/model/native/quant.py)
+FUSED_ROWS = 32
 
 
 def is_moe(mlp) -> bool:
@@ -77,13 +87,19 @@ class Routing:
     bounds: list[int]
 
 
-def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, dtype: torch.dtype) -> Routing:
-    """The top `top_k` experts of each row of router `logits` [T, E] and their weights (as transformers:
-    softmax in float32, top k, renormalised over the k when `norm_topk_prob`, then cast to `dtype`)."""
+def top_experts(logits: torch.Tensor, top_k: int, norm_topk_prob: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k] float32, chosen [T, k] int64): the top `top_k` experts of each row of router `logits`
+    [T, E], as transformers picks them: softmax in float32, top k, renormalised over the k when `norm_topk_prob`."""
     probs = torch.softmax(logits.float(), dim=-1)
     weights, chosen = torch.topk(probs, top_k, dim=-1)
     if norm_topk_prob:
         weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, chosen
+
+
+def route(logits: torch.Tensor, top_k: int, norm_topk_prob: bool, dtype: torch.dtype) -> Routing:
+    """`top_experts` grouped by expert, the weights cast to `dtype` (transformers casts them so)."""
+    weights, chosen = top_experts(logits, top_k, norm_topk_prob)
     if logits.shape[0] == 1:  # one row (a decode step): its k experts in ascending order, no grouping
         chosen, order = chosen[0].sort()
         return Routing(torch.zeros(top_k, dtype=torch.int64), weights[0, order].to(dtype), chosen.tolist(),
@@ -117,6 +133,9 @@ class FloatExperts:
     def linears(self) -> list:
         return [StackedWeight(self.gate_up), StackedWeight(self.down_w)]
 
+    def fused(self, rows: int) -> bool:
+        return False
+
     def swiglu(self, e: int, x: torch.Tensor) -> torch.Tensor:
         y = F.linear(x, self.gate_up[e])
         return F.silu(y[:, : self.inter]).mul_(y[:, self.inter :])
@@ -127,15 +146,39 @@ class FloatExperts:
 
 class QuantExperts:
     """A GGUF file's experts: per expert a [gate; up] linear with its swiglu and a down linear, over the
-    expert's own slice of the file's blocks (`QuantWeight`s or float tensors; `linear_of` picks the kernels)."""
+    expert's own slice of the file's blocks (`QuantWeight`s or float tensors; `linear_of` picks the kernels).
+
+    K-quant experts (one kind per projection) are stacked: `stacked` holds one weight of E [gate_e; up_e] and
+    one of the E downs, and each expert's linear reads its rows of them (views: one copy), so a step of few rows
+    runs every chosen expert in one `quant_moe` call (`fused`, `moe`) and more rows expert by expert."""
 
     def __init__(self, gate: list, up: list, down: list):
         if not len(gate) == len(up) == len(down):
             raise ValueError(f"a MoE block needs as many gate, up and down experts; got {len(gate)}, {len(up)}, "
                              f"{len(down)}")
-        self.gate_up = [linear_of([g, u], swiglu=True) for g, u in zip(gate, up)]
-        self.down_lin = [linear_of([d]) for d in down]
         self.count = len(gate)
+        self.stacked = _stack(gate, up, down)
+        if self.stacked is None:
+            self.gate_up = [linear_of([g, u], swiglu=True) for g, u in zip(gate, up)]
+            self.down_lin = [linear_of([d]) for d in down]
+        else:
+            gu, dn = self.stacked
+            a, b = gu.shape[0] // self.count, dn.shape[0] // self.count
+            self.gate_up = [QuantLinear(_rows(gu, e * a, (e + 1) * a), parts=2) for e in range(self.count)]
+            self.down_lin = [QuantLinear(_rows(dn, e * b, (e + 1) * b)) for e in range(self.count)]
+
+    def fused(self, rows: int) -> bool:
+        """Whether a step of `rows` rows runs on `quant_moe` (stacked K-quants, the kernels on, VNNI: where each
+        expert's linear would take the row kernel)."""
+        return (self.stacked is not None and rows <= FUSED_ROWS and self.gate_up[0].small
+                and hasattr(torch.ops.cellserve, "quant_moe") and _fast()[0])
+
+    def moe(self, h: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """sum_k weights * expert_chosen(h) per row, every chosen expert in one kernel call."""
+        gu, dn = self.stacked
+        return torch.ops.cellserve.quant_moe(h.float().contiguous(), chosen.contiguous(), weights.float().contiguous(),
+                                             gu.tensors(), KIND_IDS[gu.kind], dn.tensors(), KIND_IDS[dn.kind],
+                                             self.count).to(h.dtype)
 
     def linears(self) -> list:
         return [*self.gate_up, *self.down_lin]
@@ -191,6 +234,10 @@ class MoeBlock:
     def __call__(self, h: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The block's output [T, H] for normed hidden states `h` [T, H], plus `residual` when given (added
         last, as transformers adds it: `residual + sum of the experts`)."""
+        if self.experts.fused(h.shape[0]):
+            weights, chosen = top_experts(self.logits(h), self.top_k, self.norm_topk_prob)
+            out = self.experts.moe(h, chosen, weights.to(h.dtype))
+            return out if residual is None else residual + out
         r = route(self.logits(h), self.top_k, self.norm_topk_prob, h.dtype)
         out = torch.zeros_like(h)
         for e, a, b in zip(r.experts, r.bounds, r.bounds[1:]):
@@ -199,6 +246,23 @@ class MoeBlock:
             y = self.experts.down(e, self.experts.swiglu(e, x))
             out.index_add_(0, rows, y.mul_(r.weights[a:b, None]).to(out.dtype))
         return out if residual is None else residual + out
+
+
+def _stack(gate: list, up: list, down: list) -> "tuple[QuantWeight, QuantWeight] | None":
+    """([gate_0; up_0; gate_1; up_1; ...], [down_0; down_1; ...]) as two weights when the experts are K-quants of
+    one kind per projection (what `quant_moe` reads), else None."""
+    def one_kind(ws: list) -> bool:
+        return all(isinstance(w, QuantWeight) for w in ws) and len({w.kind for w in ws}) == 1 \
+            and BLOCK_WEIGHTS[ws[0].kind] == 256
+
+    if not (one_kind(gate + up) and one_kind(down)):
+        return None
+    return QuantWeight.cat([w for pair in zip(gate, up) for w in pair]), QuantWeight.cat(down)
+
+
+def _rows(w: QuantWeight, r0: int, r1: int) -> QuantWeight:
+    """Rows [r0, r1) of `w`, views of its arrays (contiguous: rows of row-major arrays)."""
+    return QuantWeight(w.kind, *(None if t is None else t[r0:r1] for t in w.fields()))
 
 
 def routing_of(mlp) -> tuple[int, bool]:

@@ -50,8 +50,8 @@ def _family(engine) -> dict[str, str]:
 
 def _forwarded(engine) -> list[int]:
     """Counts the tokens every forward runs (instruments the real runner; changes nothing)."""
-    seen, forward = [], engine.runner.forward
-    engine.runner.forward = lambda step: seen.append(len(step.tokens)) or forward(step)
+    seen, forward = [], engine.runner.forward_hidden
+    engine.runner.forward_hidden = lambda step: seen.append(len(step.tokens)) or forward(step)
     return seen
 
 
@@ -202,3 +202,20 @@ def test_unusable_dir_and_bad_files(model, tmp_path, caplog):
     with caplog.at_level(logging.ERROR, logger="cellserve.state"):
         engine = make_engine(model=model, n_cells=64, state_dir=tmp_path / "s")
     assert engine.sequences == {} and caplog.text.count("not a valid sequence record") == 2
+
+
+def test_an_import_into_a_pool_full_of_cached_prefixes_evicts_them(model, saved):
+    """Cached prefixes are a cache: an imported family takes their cells as a prefill would, rather than
+    arriving with none and being recomputed when it next runs."""
+    before, ids, _ = saved
+    blob = before.export_sequences(ids["mid"], family=True)
+    elsewhere = make_engine(model=model, n_cells=320)
+    for seed in range(3):  # three finished 100-token requests: ~300 cells held as cached prefixes
+        elsewhere.add_request(f"fill-{seed}", prompt(100, seed=10 + seed), greedy(2), Collector())
+        drain(elsewhere)
+    assert elsewhere.cached_prefix_cells() > 250 and elsewhere.cache.free_cells() < 100  # the pool's own free cells
+    made = elsewhere.import_sequences(blob)
+    for seq_id in made.values():
+        assert elsewhere.sequence_info(seq_id).n_cached == len(before.sequences[seq_id].token_ids) - 1
+    assert _continue(elsewhere, ids["mid"], [4], 5) == _continue(before, ids["mid"], [4], 5)
+    check_cells_match_sequences(elsewhere)

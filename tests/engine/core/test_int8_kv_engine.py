@@ -131,8 +131,8 @@ def test_durable_int8_cells_come_back_without_a_recompute_and_are_refused_by_flo
     shutil.copytree(tmp_path / "state", tmp_path / "copy")
     again = _engine(model, speculative=None, state_dir=tmp_path / "copy", state_eager=True)
     seen = []
-    forward = again.runner.forward
-    again.runner.forward = lambda step: seen.append(len(step.tokens)) or forward(step)
+    forward = again.runner.forward_hidden
+    again.runner.forward_hidden = lambda step: seen.append(len(step.tokens)) or forward(step)
     for seq_id in (root.seq_id, fork.seq_id):
         assert again.sequence_info(seq_id).n_cached == len(before.sequences[seq_id].token_ids) - 1
         assert _continue(again, seq_id, [5], 5) == _continue(before, seq_id, [5], 5)

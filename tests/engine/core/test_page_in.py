@@ -18,8 +18,8 @@ from engine.core.state.cell_files import CHUNK
 
 def _forwarded(engine) -> list[int]:
     """Counts the tokens every forward runs (instruments the real runner; changes nothing)."""
-    seen, forward = [], engine.runner.forward
-    engine.runner.forward = lambda step: seen.append(len(step.tokens)) or forward(step)
+    seen, forward = [], engine.runner.forward_hidden
+    engine.runner.forward_hidden = lambda step: seen.append(len(step.tokens)) or forward(step)
     return seen
 
 

@@ -8,13 +8,13 @@ from engine_support import Collector, drain, greedy, greedy_oracle, make_engine,
 
 def _step_sizes(engine) -> list[int]:
     sizes = []
-    forward = engine.runner.forward
+    forward = engine.runner.forward_hidden
 
     def spy(step):
         sizes.append(len(step.tokens))
         return forward(step)
 
-    engine.runner.forward = spy
+    engine.runner.forward_hidden = spy
     return sizes
 
 

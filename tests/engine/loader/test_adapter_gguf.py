@@ -70,14 +70,27 @@ def test_the_gguf_adapter_gives_the_peft_models_logits(name, arch, targets, dtyp
     torch.testing.assert_close(out[1], full_logits(merged, ids)[-1], atol=1e-4, rtol=0)
 
 
-def test_a_gguf_that_is_not_a_lora_adapter_is_refused(tmp_path):
-    writer = gguf.GGUFWriter(str(tmp_path / "m.gguf"), "llama")
-    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
+def _write(path, tensors: dict, adapter: bool) -> str:
+    writer = gguf.GGUFWriter(str(path), "qwen3moe")
+    if adapter:
+        writer.add_string("general.type", "adapter")
+        writer.add_string("adapter.type", "lora")
+        writer.add_float32("adapter.lora.alpha", 8.0)
+    for name, t in tensors.items():
+        writer.add_tensor(name, t)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    return str(path)
+
+
+def test_a_gguf_that_is_not_a_lora_adapter_is_refused(tmp_path):
     runner = ModelRunner(tiny_model("llama_gqa"), n_cells=16)
+    path = _write(tmp_path / "m.gguf", {"token_embd.weight": np.zeros((4, 8), dtype=np.float32)}, adapter=False)
     with pytest.raises(AdapterError, match="not a llama.cpp LoRA adapter"):
-        runner.loras.load("m", str(tmp_path / "m.gguf"))
+        runner.loras.load("m", path)
+    experts = {f"blk.0.ffn_gate_exps.weight.lora_{ab}": np.zeros((4, 8), dtype=np.float32) for ab in "ab"}
+    with pytest.raises(AdapterError, match="targets blk.0.ffn_gate_exps.weight, a mixture-of-experts expert MLP"):
+        runner.loras.load("e", _write(tmp_path / "e.gguf", experts, adapter=True))
     assert not runner.loras.adapters

@@ -9,15 +9,17 @@ kernels, a linear of 1-8 rows rounds its activations per block to int8, which mo
 """
 
 import json
+import logging
 
 import gguf
 import numpy as np
 import pytest
 import torch
 from gguf import quants
-from tiny_gguf import q4_k_m, tiny_gemma3, tiny_qwen3, write_llama_gguf
+from tiny_gguf import gemma3_q4_k_m, q4_k_m, tiny_gemma3, tiny_qwen3, write_llama_gguf
 from tiny_models import full_logits
 
+from engine.loader.gguf_tensors import quantized_share, read_tensor_index
 from engine.loader.source import resolve_model
 from engine.model.kernels import build as kernels
 from engine.model.native.quant import QuantLinear
@@ -64,13 +66,16 @@ def dequantized_oracle(model, path):
     return model
 
 
-@pytest.fixture(scope="module", params=[("qwen3", "q8_0"), ("qwen3", "q4_0"), ("qwen3", "q4_k_m"), ("gemma3", "q4_1")],
+@pytest.fixture(scope="module", params=[("qwen3", "q8_0"), ("qwen3", "q4_0"), ("qwen3", "q4_k_m"), ("gemma3", "q4_1"),
+                                        ("gemma3", "q4_k_m")],
                 ids=lambda p: "-".join(p))
 def served(request, tmp_path_factory):
     family, kind = request.param
     d = tmp_path_factory.mktemp(family)
-    big = {"big": True} if kind == "q4_k_m" else {}  # K-quants: whole 256-weight super-blocks
+    big = {"big": True} if kind == "q4_k_m" else {}  # K-quants: whole 256-weight super-blocks (Gemma: some)
     qtype = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q4_k_m": lambda name: q4_k_m(name, 2)}[kind]
+    if (family, kind) == ("gemma3", "q4_k_m"):  # llama-quantize's choice for Gemma: Q5_0 where Q4_K cannot go
+        qtype = gemma3_q4_k_m(BUILD[family](**big).config)
     path = write_llama_gguf(d / "tiny.gguf", BUILD[family](seed=1, **big), qtype, Q.Q8_0)
     folder = resolve_model(str(path), "quantized", home=d / "home", progress=False).path
     oracle = dequantized_oracle(BUILD[family](seed=2, **big), path)  # other random weights, replaced by the file's
@@ -85,10 +90,10 @@ def test_the_config_is_the_files(served):
     family, _, folder, _ = served
     runner = ModelRunner.from_pretrained(folder, n_cells=64)
     cfg = runner.config
-    assert cfg.head_dim in (32, 128) and cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads
+    assert cfg.head_dim in (32, 64, 128) and cfg.head_dim != cfg.hidden_size // cfg.num_attention_heads
     if family == "gemma3":
         assert cfg.layer_types == ["sliding_attention", "full_attention"] and cfg.sliding_window == 4
-        assert cfg.final_logit_softcapping == 30.0 and cfg.query_pre_attn_scalar == 32
+        assert cfg.final_logit_softcapping == 30.0 and cfg.query_pre_attn_scalar == cfg.head_dim
         assert [layer.window for layer in runner.native.layers] == [4, None]
     for lin in (lin for layer in runner.native.layers for lin in layer.linears()):  # Q4_K_M: Q|K q4_k, V q6_k
         assert all(isinstance(p, QuantLinear) for p in getattr(lin, "parts", [lin]))
@@ -98,12 +103,33 @@ def test_the_config_is_the_files(served):
     assert runner.tokenizer.decode(runner.tokenizer.encode(text, add_special_tokens=False)) == text
 
 
+def test_a_gemma_q4_k_m_file_keeps_every_matrix_quantized(tmp_path, caplog):
+    """Gemma 3's Q4_K_M mixes Q5_0 (most matrices: rows of 1,152 weights are not whole K-quant super-blocks),
+    Q4_K, Q6_K and Q8_0: every one is kept quantized (Q5_0 as q8_0, exactly), none falls back to bfloat16 (the
+    logits against the dequantized weights: the `served` case gemma3-q4_k_m)."""
+    model = tiny_gemma3(seed=1, big=True)
+    path = write_llama_gguf(tmp_path / "tiny.gguf", model, gemma3_q4_k_m(model.config), Q.Q8_0)
+    folder = resolve_model(str(path), "quantized", home=tmp_path / "home", progress=False).path
+    types = {Q(t.ggml_type).name for t in read_tensor_index(path)[1].values() if len(t.shape) == 2}
+    assert types == {"Q5_0", "Q4_K", "Q6_K", "Q8_0"}
+    with caplog.at_level(logging.WARNING, logger="cellserve.gguf"):
+        runner = ModelRunner.from_pretrained(folder, n_cells=64)
+    assert not [r for r in caplog.records if "bfloat16" in r.getMessage()]
+    native = runner.native
+    layer = native.layers[0]
+    assert layer.mlp.gate_up.weight.kind == "q8_0" and layer.mlp.gate_up.tiled  # Q5_0 gate|up, in quant_tiles
+    assert [p.weight.kind for p in getattr(layer.qkv, "parts", [layer.qkv])] in (["q8_0"], ["q8_0", "q8_0"])
+    assert layer.o.weight.kind == "q4_k" and native.embed.weight.kind == "q8_0"
+    assert quantized_share(path) == 1.0
+
+
 @pytest.mark.parametrize("fused", [True, False], ids=["kernels", "eager"])
 def test_logits_match_the_dequantized_oracle_and_greedy_tokens_agree(served, fused):
-    _, _, folder, oracle = served
+    family, kind, folder, oracle = served
     runner = ModelRunner.from_pretrained(folder, n_cells=128, kv_cache_dtype="model")  # the weights alone
     runner.native.fused = fused and kernels.load()
     hist = {0: _prompt(21, 1), 1: _prompt(6, 2)}  # 21 tokens: past Gemma's local window of 4
+    flips = 0
     atol = DECODE_ATOL if runner.native.head.is_small(torch.empty(1, 1)) else 1e-4
     out = runner.run({0: (hist[0], 0), 1: (hist[1], 0)})
     for s in (0, 1):
@@ -116,7 +142,10 @@ def test_logits_match_the_dequantized_oracle_and_greedy_tokens_agree(served, fus
             hist[s].append(nxt[s])
             want = full_logits(oracle, hist[s])[-1]
             torch.testing.assert_close(out[s], want, atol=atol, rtol=0)
-            assert int(out[s].argmax()) == int(want.argmax())
+            flips += int(out[s].argmax()) != int(want.argmax())
+    # Gemma's Q4_K_M (K-quants in every layer, rounded per 256-weight super-block) may flip one near-tie, as
+    # test_gguf_kquants.py allows (measured: one of nine, the oracle's top two 0.0064 apart under an error of 0.025); none elsewhere
+    assert flips <= (1 if (family, kind) == ("gemma3", "q4_k_m") else 0)
 
 
 def test_int8_cells_follow_the_oracle(served):
@@ -141,6 +170,6 @@ def test_a_file_dequantized_to_float32_keeps_the_files_config(served, tmp_path):
     src = json.loads((folder / "cellserve.json").read_text())["gguf"]
     floats = resolve_model(src, "float32", home=tmp_path, progress=False).path
     runner = ModelRunner.from_pretrained(floats, dtype="float32", n_cells=64)
-    assert runner.native is not None and runner.config.head_dim in (32, 128)
+    assert runner.native is not None and runner.config.head_dim in (32, 64, 128)
     ids = _prompt(12, 4)
     torch.testing.assert_close(runner.run({0: (ids, 0)})[0], full_logits(oracle, ids)[-1], atol=1e-4, rtol=0)

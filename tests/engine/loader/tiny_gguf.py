@@ -65,19 +65,37 @@ def tiny_qwen3(seed: int = 0, tied: bool = True, big: bool = False):
     return _norms_away(Qwen3ForCausalLM(cfg).eval(), 0.5, 1.5)
 
 
-def tiny_gemma3(seed: int = 0):
+def tiny_gemma3(seed: int = 0, big: bool = False):
     """hidden 64, 4 heads of 32, MLP 160, 2 layers: a local one (window 4) and a global one (the file's pattern
-    says period 2), a soft-cap; norms away from Gemma's 0 (w: the model scales by 1 + w)."""
+    says period 2), a soft-cap; norms away from Gemma's 0 (w: the model scales by 1 + w). `big`: Gemma-3-1B's
+    proportions, hidden 192 (not whole 256-weight super-blocks, as 1,152 is not), 4 heads of 64, MLP 512."""
     from transformers import Gemma3ForCausalLM, Gemma3TextConfig
 
     torch.manual_seed(seed)
-    cfg = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=2,
-                           num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=256,
+    hidden, head_dim, mlp = (192, 64, 512) if big else (64, 32, 160)
+    cfg = Gemma3TextConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=mlp, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=256,
                            rms_norm_eps=1e-6, sliding_window=4, layer_types=["sliding_attention", "full_attention"],
                            rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
                                             "full_attention": {"rope_type": "default", "rope_theta": 1000000.0}},
-                           query_pre_attn_scalar=32, final_logit_softcapping=30.0, bos_token_id=1, eos_token_id=2)
+                           query_pre_attn_scalar=head_dim, final_logit_softcapping=30.0, bos_token_id=1, eos_token_id=2)
     return _norms_away(Gemma3ForCausalLM(cfg).eval(), -0.5, 0.5)
+
+
+def gemma3_q4_k_m(cfg):
+    """llama-quantize's Q4_K_M choice for a Gemma 3 file of `cfg`: `q4_k_m`'s, except where a tensor's rows are
+    not whole 256-weight super-blocks (Gemma's hidden size): there its fallback, Q5_0 for Q4_K, Q8_0 for Q6_K."""
+    import gguf
+
+    Q = gguf.GGMLQuantizationType
+
+    def qtype(name: str):
+        q = q4_k_m(name, cfg.num_hidden_layers)
+        k = (cfg.intermediate_size if ".ffn_down." in name else cfg.num_attention_heads * cfg.head_dim
+             if ".attn_output." in name else cfg.hidden_size)
+        return q if k % 256 == 0 else {Q.Q4_K: Q.Q5_0, Q.Q6_K: Q.Q8_0}[q]
+
+    return qtype
 
 
 def tiny_gemma2(seed: int = 0):

@@ -6,11 +6,13 @@ suite's float32 atol 1e-4 (the update is computed unmerged, so only the summatio
 """
 
 import copy
+import json
 
 import pytest
 import torch
 from lora_support import ALL, ATTN, peft_adapter
 from peft import PeftModel
+from safetensors.torch import save_file
 from tiny_models import full_logits, tiny_model, tiny_tokenizer
 
 from engine.api.lora import AdapterMemoryFull, AdapterNotFound, LoraBinding
@@ -61,6 +63,41 @@ def test_base_and_two_adapters_in_one_step_match_peft(name, fused, stacking, tmp
         out = _step(runner, {s: ([nxt[s]], len(hist[s])) for s in models}, binds)
         for s in models:
             hist[s].append(nxt[s])
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "qwen2", "qwen3"])
+def test_rank_64_adapters_beside_the_base_match_peft(name, tmp_path):
+    """r 64 (past the tiny models' hidden size: the update is still exact) on q,k,v,o and the MLP, and r 64 on
+    attention only (rsLoRA), in one step with a base row: prefill, then one decode step."""
+    base = tiny_model(name)
+    p1, m1 = peft_adapter(base, tmp_path / "all", r=64, alpha=32, targets=ALL, seed=5)
+    p2, m2 = peft_adapter(base, tmp_path / "attn", r=64, alpha=8, targets=ATTN, seed=6, rslora=True)
+    runner = ModelRunner(tiny_model(name), n_cells=256)
+    a1, _ = runner.loras.load("all", p1)
+    a2, _ = runner.loras.load("attn", p2)
+    assert a1.info.rank == a2.info.rank == 64
+    models, binds = {0: m1, 1: base, 2: m2}, [LoraBinding(a1.uid, "all"), None, LoraBinding(a2.uid, "attn")]
+    hist = {s: _ids(7 + 2 * s, 10 + s) for s in models}
+    out = _step(runner, {s: (hist[s], 0) for s in models}, binds)
+    for s in models:
+        hist[s].append(int(out[s].argmax()))
+    out = _step(runner, {s: ([hist[s][-1]], len(hist[s]) - 1) for s in models}, binds)
+    for s, model in models.items():
+        torch.testing.assert_close(out[s], full_logits(model, hist[s])[-1], atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("module", ["mlp.experts.3.gate_proj", "mlp.gate", "block_sparse_moe.experts.0.w1"])
+def test_an_adapter_of_expert_mlps_is_refused_naming_the_module(module, tmp_path):
+    """A mixture-of-experts adapter (an expert's MLP, the router) is refused at load with the module's name;
+    nothing is loaded."""
+    key = f"base_model.model.model.layers.1.{module}"
+    save_file({f"{key}.lora_A.weight": torch.zeros(4, 32), f"{key}.lora_B.weight": torch.zeros(32, 4)},
+              str(tmp_path / "adapter_model.safetensors"))
+    (tmp_path / "adapter_config.json").write_text(json.dumps({"peft_type": "LORA", "r": 4, "lora_alpha": 8}))
+    runner = ModelRunner(tiny_model("llama_gqa"), n_cells=16)
+    with pytest.raises(AdapterError, match=f"targets layers.1.{module}, a mixture-of-experts expert MLP or router"):
+        runner.loras.load("moe", str(tmp_path))
+    assert not runner.loras.adapters
 
 
 @pytest.mark.parametrize("name", ["qwen3", "gemma3"])

@@ -98,6 +98,33 @@ def test_unpacking_is_exact(kind, k):
     torch.testing.assert_close(QuantEmbedding(w)(idx), ref[idx], atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("k", [96, 128])  # 96: the row layout (a lone block), 128: quant_tiles' tiles
+@pytest.mark.parametrize("rows", [1, 5])
+def test_q5_0_is_kept_as_q8_0_bit_for_bit(k, rows):
+    """Q5_0 (most of a Gemma 3 Q4_K_M file) is repacked into q8_0: gguf-py's dequantized weights exactly, at the
+    file's 0.6875 bytes a weight kept as 1.0625, and the linear within the integer kernels' bound of them."""
+    n = 40
+    g = torch.Generator().manual_seed(k + rows)
+    w = (torch.randn(n, k, generator=g) * 0.1 + 0.02).numpy()
+    w[1] = 0  # a zero scale gives zeros
+    raw = quants.quantize(w, Q.Q5_0)
+    ref = torch.from_numpy(quants.dequantize(raw, Q.Q5_0).reshape(n, k).copy())
+    q = pack_blocks(raw, Q.Q5_0, n, k)
+    assert q.kind == "q8_0" and q.nbytes == 34 / 32 * n * k
+    torch.testing.assert_close(q.dequantize(), ref, atol=0, rtol=0)
+    lin = QuantLinear(q)
+    lin.small = True
+    assert lin.tiled == (k % 64 == 0)
+    torch.testing.assert_close(lin.weight.dequantize(), ref, atol=0, rtol=0)
+    x = torch.randn(rows, k, generator=g)
+    y = lin(x)
+    if lin.is_small(x):  # in integers: activations rounded per 32-block
+        _, da = _round_activations(x, "q8_0")
+        assert ((y - F.linear(x, ref)).abs() <= (da / 2) @ ref.abs().T + 1e-4).all()
+    else:
+        torch.testing.assert_close(y, F.linear(x, ref), atol=1e-4, rtol=0)
+
+
 @pytest.mark.parametrize("kind", list(KINDS))
 @pytest.mark.parametrize("k", [96, 160, 256])
 @pytest.mark.parametrize("rows", [1, 2, 4, 7, 8])

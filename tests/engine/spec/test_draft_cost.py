@@ -110,6 +110,7 @@ def test_auto_learns_step_costs_and_caps_drafts_by_them(model):
     state = engine.speculative.state(seq)
     state.kept, state.missed = 8.5, 1.5  # 85% kept
     k = engine.speculative.k
+    engine.speculative.n_running = len(engine.scheduler.queues().running)  # what `propose` reads in a tick: 1
     assert engine.speculative._paced(seq, k) == 4
     engine.speculative.costs = _costs(BF16_AMX)
     assert engine.speculative._paced(seq, k) == 6

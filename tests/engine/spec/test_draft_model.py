@@ -234,6 +234,7 @@ def test_auto_prefers_the_model_where_it_pays_more_than_a_lookup(target):
     seq = engine.scheduler.running[0]
     state = spec.state(seq)
     state.kept, state.missed = 9.0, 1.0  # its model drafts: 90% kept
+    spec.n_running = len(engine.scheduler.queues().running)  # what `propose` reads in a tick: 1
     state.tokens, state.match = list(range(10, 18)), 1  # a 1-token match: ~30% of its first token kept
     assert spec._model_pays_more(seq, 8)
     state.match = 16  # a 16-token match: 98%

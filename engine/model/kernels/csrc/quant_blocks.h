@@ -341,4 +341,18 @@ at::Tensor linear_rows(const Call& c);
 // quant_krows.cpp: the row kernel for the K-quants: all the call's rows into y [rows, n_out]
 void krows(const Call& c, float* y);
 
+// A mixture of experts' pairs (row, expert) grouped by expert (quant_experts.cpp): group g holds pairs
+// [start[g], start[g + 1]) and multiplies them by expert expert[g], the weight rows [expert * per, + per);
+// `swiglu`: those rows are [gate; up] (per = 2 n_out), y = silu(gate) * up.
+struct ExpertGroups {
+  const int64_t* expert;
+  const int64_t* start;
+  int64_t groups, per, n_out;
+  bool swiglu;
+};
+// quant_krows.cpp: the K-quants' row kernel over groups: y [pairs, n_out] = pair p's row x[src[p]] times its
+// group's expert, each value bitwise a quant_linear call with that row alone on that expert's rows
+void krows_experts(const Weight& w, const ExpertGroups& e, const float* x, int64_t x_rows, const int64_t* src,
+                   int64_t pairs, float* y);
+
 }  // namespace cq

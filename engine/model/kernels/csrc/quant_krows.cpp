@@ -143,7 +143,7 @@ constexpr ScaleIdx kIdx{};
 // acc[i] -= sum over the row's blocks of (dmin * mn_b) * (da * bs_b) (q4_k, q5_k: the mins' term), 16 blocks
 // (two super-blocks) a step, in floats: act.ms holds da * bs_b a block.
 template <int M>
-inline void sub_mins(const Row& r, int64_t sbs, const KAct* act, __m512* acc) {
+inline void sub_mins(const Row& r, int64_t sbs, const KAct* const* act, __m512* acc) {
   const __m512i two = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   for (int64_t s = 0; s < sbs; s += 2) {
     const bool one = s + 1 == sbs;
@@ -151,7 +151,7 @@ inline void sub_mins(const Row& r, int64_t sbs, const KAct* act, __m512* acc) {
     const __m128 dm = _mm_cvtph_ps(_mm_maskz_loadu_epi16(one ? 0x1 : 0x3, r.m + s));
     const __m512 wm = _mm512_mul_ps(mn, _mm512_permutexvar_ps(two, _mm512_castps128_ps512(dm)));
     for (int i = 0; i < M; ++i)
-      acc[i] = _mm512_fnmadd_ps(wm, _mm512_maskz_loadu_ps(one ? 0xFF : 0xFFFF, act[i].ms.data() + s * 8), acc[i]);
+      acc[i] = _mm512_fnmadd_ps(wm, _mm512_maskz_loadu_ps(one ? 0xFF : 0xFFFF, act[i]->ms.data() + s * 8), acc[i]);
   }
 }
 
@@ -169,7 +169,7 @@ inline void prefetch_ahead(const Row& r, int64_t s) {
 }
 
 template <int KIND, int M>
-void dot_krows(const Row& r, int64_t sbs, const KAct* act, float* out) {
+void dot_krows(const Row& r, int64_t sbs, const KAct* const* act, float* out) {
   constexpr int A = KIND == Q6_K && M <= 4 ? 2 : 1;  // int32 accumulators a row (two: shorter chains)
   __m512 acc[M];
   for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_ps();
@@ -201,7 +201,7 @@ void dot_krows(const Row& r, int64_t sbs, const KAct* act, float* out) {
         slo = shi = _mm512_maskz_permutexvar_epi8(0x1111111111111111ull, _mm512_load_si512(kIdx.bytes[h]), raw);
       }
       for (int i = 0; i < M; ++i) {
-        const int8_t* aq = act[i].q.data() + s * 256 + h * 128;
+        const int8_t* aq = act[i]->q.data() + s * 256 + h * 128;
         if constexpr (KIND == Q6_K) {
           iacc[i][0] = _mm512_dpwssd_epi32(iacc[i][0], _mm512_maddubs_epi16(lo, _mm512_loadu_si512(aq)), slo);
           iacc[i][A - 1] = _mm512_dpwssd_epi32(iacc[i][A - 1], _mm512_maddubs_epi16(hi, _mm512_loadu_si512(aq + 64)), shi);
@@ -217,19 +217,19 @@ void dot_krows(const Row& r, int64_t sbs, const KAct* act, float* out) {
     if constexpr (KIND == Q6_K) {
       const __m512i zsc = _mm512_mullo_epi16(raw, _mm512_set1_epi16(-32));  // -32 * sc_g, |.| <= 4,096
       for (int i = 0; i < M; ++i) {
-        const __m512i bs = _mm512_maskz_loadu_epi16(0xFFFF, act[i].bs.data() + s * 16);  // zeros above 16
+        const __m512i bs = _mm512_maskz_loadu_epi16(0xFFFF, act[i]->bs.data() + s * 16);  // zeros above 16
         iacc[i][0] = _mm512_dpwssd_epi32(iacc[i][0], zsc, bs);
       }
     }
     const __m512 d = _mm512_set1_ps(dw[s % 16]);
     for (int i = 0; i < M; ++i)
-      acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(iacc[i][0]), d), _mm512_set1_ps(act[i].da[s]), acc[i]);
+      acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(iacc[i][0]), d), _mm512_set1_ps(act[i]->da[s]), acc[i]);
   }
   for (int i = 0; i < M; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
 }
 #else
 template <int KIND, int M>
-void dot_krows(const Row& r, int64_t sbs, const KAct* act, float* out) {
+void dot_krows(const Row& r, int64_t sbs, const KAct* const* act, float* out) {
   uint8_t q[64];
   for (int i = 0; i < M; ++i) out[i] = 0.f;
   for (int64_t s = 0; s < sbs; ++s) {
@@ -240,7 +240,7 @@ void dot_krows(const Row& r, int64_t sbs, const KAct* act, float* out) {
       for (int half = 0; half < 2; ++half) {  // a scale group (q6_k) or half a block
         const int sc = KIND == Q6_K ? static_cast<int8_t>(r.sc[2 * blk + half]) : r.sc[blk];
         for (int i = 0; i < M; ++i) {
-          const int8_t* a = act[i].q.data() + s * 256;
+          const int8_t* a = act[i]->q.data() + s * 256;
           int dot = 0;
           for (int e = 16 * half; e < 16 * half + 16; ++e) dot += int(q[pair_pos(KIND, b % 2, e)]) * a[quad_pos(b, e)];
           isum[i] += sc * dot;
@@ -248,10 +248,10 @@ void dot_krows(const Row& r, int64_t sbs, const KAct* act, float* out) {
       }
     }
     for (int i = 0; i < M; ++i) {
-      const int16_t* bs = act[i].bs.data() + s * 16;
+      const int16_t* bs = act[i]->bs.data() + s * 16;
       for (int g = 0; g < 16 && KIND == Q6_K; ++g) isum[i] -= 32 * static_cast<int8_t>(r.sc[s * 16 + g]) * bs[g];
       for (int b = 0; b < 8 && KIND != Q6_K; ++b) msum[i] += r.mn[s * 8 + b] * bs[b];
-      const float da = act[i].da[s];
+      const float da = act[i]->da[s];
       out[i] += static_cast<float>(r.d[s]) * da * static_cast<float>(isum[i]);
       if (KIND != Q6_K) out[i] -= static_cast<float>(r.m[s]) * da * static_cast<float>(msum[i]);
     }
@@ -263,14 +263,58 @@ template <int KIND>
 void run_kkind(const Weight& w, const std::vector<KAct>& act, const float* bias, const float* other, float* y,
                int64_t n_out, bool swiglu) {
   const int64_t sbs = w.k / 256;
+  std::vector<const KAct*> ptrs(act.size());
+  for (size_t i = 0; i < act.size(); ++i) ptrs[i] = &act[i];
   rows_out(w, static_cast<int64_t>(act.size()), bias, other, y, n_out, swiglu,
            [&](auto m, const Row* r, int nw, int64_t i0, float* sums) {
              const int64_t rows = static_cast<int64_t>(act.size());
-             for (int j = 0; j < nw; ++j) dot_krows<KIND, decltype(m)::value>(r[j], sbs, act.data() + i0, sums + j * rows);
+             for (int j = 0; j < nw; ++j) dot_krows<KIND, decltype(m)::value>(r[j], sbs, ptrs.data() + i0, sums + j * rows);
            });
 }
 
+// The grouped row kernel (krows_experts): parallel over (group, 16 output rows); each (pair, output) takes
+// dot_krows' operations and rows_out's epilogue (a zero bias and `other`), as a quant_linear call of the
+// pair's row alone on its expert's weight: bitwise the same value, whatever the other pairs are.
+template <int KIND>
+void run_experts(const Weight& w, const ExpertGroups& e, const KAct* const* act, float* y) {
+  constexpr int64_t chunk = 16;
+  const int64_t sbs = w.k / 256, per_group = (e.n_out + chunk - 1) / chunk;
+  at::parallel_for(0, e.groups * per_group, 1, [&](int64_t u0, int64_t u1) {
+    thread_local std::vector<float> s;  // as rows_out's scratch: no malloc in an OpenMP worker once grown
+    for (int64_t u = u0; u < u1; ++u) {
+      const int64_t g = u / per_group, n0 = (u % per_group) * chunk, n1 = std::min(e.n_out, n0 + chunk);
+      const int64_t p0 = e.start[g], m = e.start[g + 1] - p0, base = e.expert[g] * e.per;
+      s.resize(static_cast<size_t>(2 * m));
+      for (int64_t n = n0; n < n1; ++n) {
+        const Row rs[2] = {row_of(w, base + n), row_of(w, base + n + (e.swiglu ? e.n_out : 0))};
+        for (int j = 0; j < (e.swiglu ? 2 : 1); ++j)
+          for (int64_t i0 = 0; i0 < m; i0 += kGroupRows)
+            with_rows(std::min(kGroupRows, m - i0), [&](auto t) {
+              dot_krows<KIND, decltype(t)::value>(rs[j], sbs, act + p0 + i0, s.data() + j * m + i0);
+            });
+        for (int64_t i = 0; i < m; ++i)
+          y[(p0 + i) * e.n_out + n] = e.swiglu ? silu(s[i] + 0.f) * (s[m + i] + 0.f) : s[i] + 0.f + 0.f;
+      }
+    }
+  });
+}
+
 }  // namespace
+
+void cq::krows_experts(const Weight& w, const ExpertGroups& e, const float* x, int64_t x_rows, const int64_t* src,
+                       int64_t pairs, float* y) {
+  std::vector<KAct> act(x_rows);
+  at::parallel_for(0, x_rows, 1, [&](int64_t a, int64_t b) {
+    for (int64_t r = a; r < b; ++r) act[r] = quantize_krow(x + r * w.k, w.k, w.kind);
+  });
+  std::vector<const KAct*> ptrs(pairs);
+  for (int64_t p = 0; p < pairs; ++p) ptrs[p] = &act[src[p]];
+  switch (w.kind) {
+    case Q4_K: run_experts<Q4_K>(w, e, ptrs.data(), y); break;
+    case Q5_K: run_experts<Q5_K>(w, e, ptrs.data(), y); break;
+    default: run_experts<Q6_K>(w, e, ptrs.data(), y); break;
+  }
+}
 
 void cq::krows(const Call& c, float* y) {
   const Weight& w = c.w;

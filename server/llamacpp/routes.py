@@ -88,7 +88,7 @@ async def _generate(request: Request, ctx: ServerContext, body: NativeSampling, 
     if max_tokens < 0:
         max_tokens = engine.max_tokens_left(len(prompt))
     engine.check_fits([len(prompt)], max_tokens)
-    params = build_sampling_params({"max_tokens": max_tokens, **body.engine_fields()}, None)
+    params = build_sampling_params({"max_tokens": max_tokens, **body.engine_fields(ctx.tokens.eos_ids())}, None)
     answer = Answer(model=ctx.model_name, prompt_text=prompt_text, prompt_len=len(prompt), id_slot=body.id_slot,
                     n_probs=body.n_probs, return_tokens=body.return_tokens, settings=_settings(ctx, body, max_tokens))
     seq_id, ids = None, prompt
@@ -145,7 +145,8 @@ def _settings(ctx: ServerContext, body: NativeSampling, max_tokens: int) -> dict
             "temperature": body.temperature, "top_k": body.top_k, "top_p": body.top_p, "min_p": body.min_p,
             "seed": body.seed, "stop": list(body.stop), "n_probs": body.n_probs, "repeat_penalty": body.repeat_penalty,
             "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
-            "ignore_eos": body.ignore_eos, "stream": body.stream, "cache_prompt": body.cache_prompt}
+            "ignore_eos": body.ignore_eos, "logit_bias": body.settings_bias(ctx.tokens.eos_ids()),
+            "stream": body.stream, "cache_prompt": body.cache_prompt}
 
 
 @router.post("/apply-template")

@@ -71,6 +71,21 @@ def test_bad_native_requests_are_400_naming_the_field(srv):
             assert r.status_code == 400 and param in r.json()["error"]["param"], (body, r.text)
 
 
+
+def test_ignore_eos_bans_the_end_tokens_as_llamacpp_does(srv, greedy):
+    """llama.cpp's `ignore_eos` is a -inf bias on the end-of-generation tokens, listed in the answer's
+    `generation_settings.logit_bias` (null bias); a pushed-up EOS then still never comes out."""
+    eos = greedy.tokenizer.eos_token_id
+    body = {"prompt": "hello world", "n_predict": 5, "temperature": 0, "logit_bias": [[eos, 100], [7, False]]}
+    with srv.client() as c:
+        ends = c.post("/completion", json=body).json()
+        runs = c.post("/completion", json={**body, "ignore_eos": True, "return_tokens": True}).json()
+    assert ends["stop_type"] == "eos" and ends["tokens_predicted"] == 1
+    assert ends["generation_settings"]["logit_bias"] == [{"bias": 100.0, "token": eos}, {"bias": None, "token": 7}]
+    assert runs["stop_type"] == "limit" and len(runs["tokens"]) == 5 and not {eos, 7} & set(runs["tokens"])
+    assert runs["generation_settings"]["logit_bias"] == [{"bias": None, "token": eos}, {"bias": None, "token": 7}]
+    assert runs["generation_settings"]["ignore_eos"] is True
+
 def test_tokenize_detokenize_template_and_props(srv, greedy):
     tok = greedy.tokenizer
     with srv.client() as c:

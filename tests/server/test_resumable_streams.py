@@ -64,9 +64,9 @@ def test_a_stream_outlives_its_client_and_the_replay_has_the_whole_answer(srv, l
     ids = greedy.tokenizer.apply_chat_template(_chat(1)["messages"], add_generation_prompt=True, tokenize=True,
                                                return_dict=False)
     want = greedy(ids, 40).text
-    with httpx.Client(base_url=srv.url, timeout=60) as c:
-        with c.stream("POST", "/v1/chat/completions", json=_chat(40), headers={"X-Conversation-Id": "c4"}) as r:
-            next(r.iter_lines())  # the first event arrived: the request runs; now the client leaves
+    with httpx.Client(base_url=srv.url, timeout=60) as c, \
+            c.stream("POST", "/v1/chat/completions", json=_chat(40), headers={"X-Conversation-Id": "c4"}) as r:
+        next(r.iter_lines())  # the first event arrived: the request runs; now the client leaves
     with srv.client() as c:
         events = sse_events(c.get("/v1/stream", params={"conv_id": "c4", "from": 0}).iter_lines())
     assert events[-1] == "[DONE]" and events[-2]["choices"][0]["finish_reason"] == "length"
@@ -74,17 +74,17 @@ def test_a_stream_outlives_its_client_and_the_replay_has_the_whole_answer(srv, l
 
 
 def test_a_stop_cancels_the_generation_and_ends_both_streams(srv):
-    with httpx.Client(base_url=srv.url, timeout=60) as c, httpx.Client(base_url=srv.url, timeout=60) as other:
-        with c.stream("POST", "/v1/chat/completions", json=_chat(1500), headers={"X-Conversation-Id": "c5"}) as r:
-            lines = r.iter_lines()
-            next(lines)
-            with other.stream("GET", "/v1/stream", params={"conv_id": "c5"}) as replay:
-                assert replay.status_code == 200
-                replayed = replay.iter_lines()
-                next(replayed)
-                assert other.delete("/v1/stream", params={"conv_id": "c5"}).status_code == 204
-                rest = list(replayed)  # ends, cleanly
-            events = sse_events(lines)
+    with httpx.Client(base_url=srv.url, timeout=60) as c, httpx.Client(base_url=srv.url, timeout=60) as other, \
+            c.stream("POST", "/v1/chat/completions", json=_chat(1500), headers={"X-Conversation-Id": "c5"}) as r:
+        lines = r.iter_lines()
+        next(lines)
+        with other.stream("GET", "/v1/stream", params={"conv_id": "c5"}) as replay:
+            assert replay.status_code == 200
+            replayed = replay.iter_lines()
+            next(replayed)
+            assert other.delete("/v1/stream", params={"conv_id": "c5"}).status_code == 204
+            rest = list(replayed)  # ends, cleanly
+        events = sse_events(lines)
     assert all(e["choices"][0].get("finish_reason") is None for e in events if e != "[DONE]" and e["choices"])
     deadline = time.monotonic() + 30
     while srv.ctx.engine.stats().running and time.monotonic() < deadline:

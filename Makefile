@@ -52,9 +52,9 @@ DOCKER_PROXY := $(foreach v,HTTP_PROXY HTTPS_PROXY NO_PROXY http_proxy https_pro
 docker-test: $(STAMP)
 	docker/base.sh $(DOCKER_BASE)
 	$(BIN)/python docker/prepare_context.py
-	DOCKER_BUILDKIT=0 docker build --network host --build-arg BASE=$(DOCKER_BASE) $(DOCKER_PROXY) \
+	DOCKER_BUILDKIT=0 docker build --force-rm --network host --build-arg BASE=$(DOCKER_BASE) $(DOCKER_PROXY) \
 		-f docker/Dockerfile -t cellserve:cpu .
-	DOCKER_BUILDKIT=0 docker build --network host --build-arg BASE=$(DOCKER_BASE) $(DOCKER_PROXY) \
+	DOCKER_BUILDKIT=0 docker build --force-rm --network host --build-arg BASE=$(DOCKER_BASE) $(DOCKER_PROXY) \
 		--build-arg EXTRAS=ray -f docker/Dockerfile -t cellserve:ray .
 	$(BIN)/python -m pytest -m docker -o addopts='-q' tests/docker
 

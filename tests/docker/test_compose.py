@@ -12,11 +12,11 @@ import secrets
 import shutil
 import subprocess
 import time
-import uuid
 from pathlib import Path
 
 import httpx
 import pytest
+from docker_support import unique_name
 
 pytestmark = pytest.mark.docker
 
@@ -38,7 +38,7 @@ class Stack:
     """One `compose up -d` under its own project name; `down -v` on exit."""
 
     def __init__(self, *args: str, env: dict[str, str]):
-        self.project = f"cellserve-test-{uuid.uuid4().hex[:8]}"
+        self.project = unique_name()
         self.env = {**os.environ, **env}
         self.base = [*compose_command(), "-f", str(COMPOSE_FILE), "-p", self.project]
         self.args = args

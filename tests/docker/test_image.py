@@ -15,11 +15,11 @@ import os
 import shutil
 import subprocess
 import time
-import uuid
 
 import httpx
 import pytest
 import torch
+from docker_support import unique_name
 
 from engine.loader.source import pull_model
 from engine.model.kernels import variants
@@ -37,10 +37,12 @@ def docker(*args: str, check: bool = True, timeout: float = 120) -> subprocess.C
 
 
 class Container:
-    """One `docker run -d` of the image, its port 8000 published on a free 127.0.0.1 port; removed on exit."""
+    """One `docker run -d` of the image, its port 8000 published on a free 127.0.0.1 port; removed on exit
+    (and by name at the end of the run, should a test stop between the two: tests/docker/conftest.py)."""
 
     def __init__(self, *run_args: str, command: tuple[str, ...] = ()):
-        self.id = docker("run", "-d", "-p", "127.0.0.1::8000", *run_args, IMAGE, *command).stdout.strip()
+        self.id = unique_name()
+        docker("run", "-d", "--name", self.id, "-p", "127.0.0.1::8000", *run_args, IMAGE, *command)
         self.url = self._url()
 
     def _url(self) -> str:
@@ -100,7 +102,7 @@ def containers(smollm):
     """The default container (its /state on a fresh named volume) and the mounted-GGUF one, started together."""
     if docker("image", "inspect", IMAGE, check=False).returncode != 0:
         pytest.fail(f"no image {IMAGE}: build it with `make docker-test`")
-    volume = f"cellserve-test-state-{uuid.uuid4().hex[:8]}"
+    volume = unique_name()
     started = []
     try:
         started.append(Container("-v", f"{volume}:/state"))

@@ -8,7 +8,9 @@ if docker image inspect "$tag" >/dev/null 2>&1; then exit 0; fi
 mirror=${DEBIAN_MIRROR:-http://deb.debian.org/debian}
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-mmdebstrap --quiet --variant=minbase --include=python3,python3-venv,ca-certificates \
+# mmdebstrap's helpers (mmtarfilter, run once a package) are Debian's `#!/usr/bin/env python3` scripts: Debian's
+# own python3 first, not a pyenv shim or venv in front of PATH (a shim costs ~2 s a call on a loaded machine)
+PATH=/usr/sbin:/usr/bin:/sbin:/bin:$PATH mmdebstrap --quiet --variant=minbase --include=python3,python3-venv,ca-certificates \
   --aptopt='APT::Install-Recommends "false"' \
   --dpkgopt='path-exclude=/usr/share/man/*' --dpkgopt='path-exclude=/usr/share/doc/*' \
   --dpkgopt='path-exclude=/usr/share/locale/*' \

@@ -80,7 +80,7 @@ class Container:
         return httpx.Client(base_url=self.url, timeout=300)
 
     def remove(self) -> None:
-        docker("rm", "-f", self.id, check=False)
+        docker("rm", "-f", "-v", self.id, check=False)  # -v: its anonymous /state volume too
 
 
 @pytest.fixture(scope="module")

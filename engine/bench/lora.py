@@ -3,8 +3,9 @@
 `python -m engine.bench.lora MODEL_FOLDER [--dtype bfloat16] [--rank 16] [--tokens 64]`: makes 4 random PEFT
 folders (rank `--rank` on q,k,v,o,gate,up,down; written with safetensors, no PEFT needed), loads them, then runs
 rounds of 8 greedy requests (same prompts, `--tokens` each, EOS ignored): on the base, then 2 per adapter
-(stacked, then one pass per adapter: `LoraRegistry.stacking`), alternating (a drifting machine slows both kinds alike). Prints each round's decode tok/s and the ratio of the
-medians. Speculative decoding is off, so every step carries exactly one row per sequence.
+(one `lora_update` kernel call per linear; stacked oneDNN ops without it: `LoraRegistry.kernel`; one pass per
+adapter: `LoraRegistry.stacking`), alternating (a drifting machine slows every kind alike). Prints each round's
+decode tok/s and the ratio of the medians. Speculative decoding is off: every step has one row per sequence.
 """
 
 import argparse
@@ -79,22 +80,23 @@ def main() -> None:
     vocab = engine.vocab_size
     prompts = [[(7919 * (j + 1) * (t + 3)) % (vocab - 10) + 5 for t in range(48)] for j in range(8)]
     spread = [f"a{j % 4}" for j in range(8)]
-    kinds = {"base": ([None] * 8, True), "4 adapters": (spread, True), "per adapter": (spread, False)}
-    for names, stacking in kinds.values():  # warm-up
-        engine.runner.loras.stacking = stacking
+    kinds = {"base": ([None] * 8, True, True), "4 adapters": (spread, True, True),
+             "no kernel": (spread, True, False), "per adapter": (spread, False, False)}
+    loras = engine.runner.loras
+    for names, loras.stacking, loras.kernel in kinds.values():  # warm-up
         one_round(engine, prompts, names, 8)
     results = {k: [] for k in kinds}
     for _ in range(args.rounds):
-        for kind, (names, stacking) in kinds.items():
-            engine.runner.loras.stacking = stacking
+        for kind, (names, loras.stacking, loras.kernel) in kinds.items():
             results[kind].append(one_round(engine, prompts, names, args.tokens))
     for kind, values in results.items():
         print(f"{kind:>11}: decode tok/s {', '.join(f'{v:.1f}' for v in values)} (median {statistics.median(values):.1f})")
     base = statistics.median(results["base"])
-    ratio, per = statistics.median(results["4 adapters"]) / base, statistics.median(results["per adapter"]) / base
+    ratio = {k: statistics.median(v) / base for k, v in results.items()}
     adapter_bytes = sum(i.nbytes for i in engine.adapters.infos())
-    print(f"ratio to base: 4 adapters {ratio:.2f} (one pass per adapter: {per:.2f}); 4 adapters hold {adapter_bytes / 2**20:.1f} MiB "
-          f"(rank {args.rank}, all linears, {args.dtype})")
+    print(f"ratio to base: 4 adapters {ratio['4 adapters']:.2f} (stacked oneDNN ops, no kernel: "
+          f"{ratio['no kernel']:.2f}; one pass per adapter: {ratio['per adapter']:.2f}); 4 adapters hold "
+          f"{adapter_bytes / 2**20:.1f} MiB (rank {args.rank}, all linears, {args.dtype})")
 
 
 if __name__ == "__main__":

@@ -9,7 +9,8 @@ forward fuses q|k|v and gate|up into one matmul each; an adapter's A matrices of
 costs one update whatever it targets. The scale is folded into B; a request's own scale (llama.cpp's
 `lora: [{id, scale}]`) multiplies the `[rows, r]` intermediate. A step of several adapters runs them in one pass
 (`Stacked`: their A and B side by side, a mask keeping each row's own columns), which costs a fixed number of ops
-per linear instead of four per adapter.
+per linear instead of four per adapter; steps of a few rows with the fused kernels on run each linear's
+updates in one kernel call instead (`KernelStep`, engine/model/lora_kernel.py).
 
 A step without adapter rows runs exactly as before (no hook is called). With adapters on gate|up, the SwiGLU
 runs unfused for that step (the update must land before the activation); `down` and `o` add theirs after
@@ -31,8 +32,9 @@ import torch.nn.functional as F
 from engine.api.lora import AdapterInfo, AdapterMemoryFull, AdapterNotFound, LoraBinding
 from engine.loader.adapter_gguf import read_adapter
 from engine.loader.adapters import AdapterError, AdapterWeights
+from engine.model.lora_kernel import KernelStep
+from engine.model.lora_stacked import Stacked
 from engine.model.native.layer import DenseMLP
-from engine.model.native.linear import Linear
 
 STACKED_SETS = 4  # sets of adapters whose stacked weights stay cached (each a copy of its adapters' bytes)
 GROUPS = {"qkv": ("q_proj", "k_proj", "v_proj"), "o": ("o_proj",), "gate_up": ("gate_proj", "up_proj"),
@@ -135,11 +137,15 @@ class LayerDeltas:
         self.layer, self.segments, self.stacked = layer, segments, stacked
 
     def targets(self, group: str) -> bool:
-        if self.stacked is not None:
-            return self.stacked.fused(self.layer, group) is not None
         return any(group in s.adapter.layers[self.layer] for s in self.segments)
 
+    @property
+    def kernel(self) -> KernelStep | None:
+        return None if self.stacked is None else self.stacked.kernel
+
     def add(self, group: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        if self.kernel is not None:
+            return self.kernel.add(self.layer, group, x, out)
         if self.stacked is not None:
             fused = self.stacked.fused(self.layer, group)
             return out if fused is None else self.stacked.add(fused.b, self.stacked.low(fused, x), out)
@@ -173,7 +179,10 @@ class LoraMLP:
 
     def __call__(self, h: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         mlp, deltas = self.mlp, self.deltas
-        if deltas.targets("gate_up"):
+        if deltas.targets("gate_up") and deltas.kernel is not None:
+            g = deltas.kernel.glu(deltas.layer, h, *self._base_gate_up(h), mlp.act)
+            g = g if g.is_contiguous() else g.contiguous()
+        elif deltas.targets("gate_up"):
             gate, up = self._gate_up(h)
             gate = F.silu(gate, inplace=True) if mlp.act == "silu" else F.gelu(gate, approximate="tanh")
             g = gate.mul_(up)
@@ -182,15 +191,21 @@ class LoraMLP:
         out = mlp.down(g) if residual is None else mlp.down.plus(g, residual)
         return deltas.add("down", g, out)
 
-    def _gate_up(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """gate(h) and up(h), each with the adapters' update."""
-        mlp, deltas = self.mlp, self.deltas
+    def _base_gate_up(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The base's gate(h) and up(h) (views of one output where quantized)."""
+        mlp = self.mlp
         if mlp.gate_up is not None:  # a quantized [gate; up] linear
             y = mlp.gate_up(h)
             n = y.shape[1] // 2
-            gate, up = y[:, :n].contiguous(), y[:, n:].contiguous()
-        else:
-            gate, up = mlp.gate(h), mlp.up(h)
+            return y[:, :n], y[:, n:]
+        return mlp.gate(h), mlp.up(h)
+
+    def _gate_up(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """gate(h) and up(h), each with the adapters' update."""
+        deltas = self.deltas
+        gate, up = self._base_gate_up(h)
+        if self.mlp.gate_up is not None:
+            gate, up = gate.contiguous(), up.contiguous()
         stacked = deltas.stacked
         if stacked is None:
             y = deltas.add("gate_up", h, torch.cat([gate, up], 1))
@@ -201,92 +216,12 @@ class LoraMLP:
         return stacked.add(fused.b, t, gate), stacked.add(fused.b_up, t, up)
 
 
-@dataclass
-class Fused:
-    """The step's adapters' updates of one fused linear stacked into two linears packed once (oneDNN, as the
-    base's; engine/model/native/linear.py): `a` = their A `[sum R, in]`, `b` = their B side by side `[out, sum R]`
-    (gate|up: `b` the gate's rows, `b_up` the up's); `cols[j]`: the segment column j belongs to; `key`: which
-    row mask (the segments present and their ranks)."""
-
-    a: Linear
-    b: Linear
-    b_up: Linear | None
-    cols: torch.Tensor
-    key: tuple
-
-
-class Stacked:
-    """The step's adapters' updates in one pass per fused linear: `low` = the adapter rows' `x @ A.T` times a
-    mask keeping each row's own adapter's columns (times its scale), fused into one oneDNN call; `add` = that
-    `@ B.T` plus the linear's output, one more (the residual add's own fused path). Two ops per linear whatever
-    the number of adapters (one adapter at scale 1 needs no mask); the extra columns' products are the price:
-    `sum R` instead of one adapter's R per row. Where rows of every kind share the step, only the adapter rows
-    are read and written (a slice when contiguous, else index_select / index_add_): base rows cost nothing.
-
-    Built once a step (the rows' adapter, the masks); the stacked weights (`fused`) are built on first use per
-    layer and linear and cached with the registry while the same adapters step together. Measured on a CPU at
-    decode sizes, the ops' count (each a dispatch, an allocation and a parallel region), not their arithmetic,
-    is the cost: the per-adapter loop (LayerDeltas without this) runs four per adapter."""
-
-    def __init__(self, segments: list[Segment], cache: dict):
-        rows = torch.cat([s.rows for s in segments])
-        seg = torch.cat([torch.full((len(s.rows),), j) for j, s in enumerate(segments)])
-        order = torch.argsort(rows)
-        self.rows, self.seg = rows[order], seg[order]
-        first, n = int(self.rows[0]), len(self.rows)
-        self.span = (first, first + n) if int(self.rows[-1]) - first == n - 1 else None
-        self.scale = torch.tensor([s.scale for s in segments])[self.seg]
-        self.plain = len(segments) == 1 and segments[0].scale == 1.0  # no mask to apply
-        self.segments, self.cache, self.masks = segments, cache, {}
-
-    def fused(self, layer: int, group: str) -> Fused | None:
-        """The stacked weights of the step's adapters targeting `group` in `layer` (None: none targets it)."""
-        key = (layer, group)
-        if key not in self.cache:
-            present = [j for j, s in enumerate(self.segments) if group in s.adapter.layers[layer]]
-            self.cache[key] = _fuse([self.segments[j].adapter.layers[layer][group] for j in present], present,
-                                    group == "gate_up") if present else None
-        return self.cache[key]
-
-    def low(self, fused: Fused, x: torch.Tensor) -> torch.Tensor:
-        """`[adapter rows, sum R]`: each adapter row's `x @ A.T` on its own adapter's columns, times its scale."""
-        if self.span is None:
-            x = x.index_select(0, self.rows)
-        elif self.span != (0, x.shape[0]):
-            x = x[self.span[0]:self.span[1]]
-        if self.plain:
-            return fused.a(x)
-        mask = self.masks.get(fused.key)
-        if mask is None:
-            mask = (self.seg[:, None] == fused.cols[None, :]).to(x.dtype) * self.scale[:, None].to(x.dtype)
-            self.masks[fused.key] = mask
-        return fused.a.times(x, mask)
-
-    def add(self, b: Linear, t: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """`out` with `t @ B.T` added to the adapter rows."""
-        if self.span is None:
-            return out.index_add_(0, self.rows, b(t))
-        if self.span == (0, out.shape[0]):
-            return b.plus(t, out)
-        out[self.span[0]:self.span[1]] = b.plus(t, out[self.span[0]:self.span[1]])
-        return out
-
-
-def _fuse(groups: list[Group], present: list[int], split: bool) -> Fused:
-    """`groups` (one per segment in `present`) stacked; `split`: B's rows in two halves (gate, up)."""
-    cols = torch.cat([torch.full((g.a.shape[0],), j) for j, g in zip(present, groups)])
-    b = torch.cat([g.b for g in groups], 1)
-    n = b.shape[0] // 2 if split else b.shape[0]
-    return Fused(Linear([torch.cat([g.a for g in groups])]), Linear([b[:n]]), Linear([b[n:]]) if split else None,
-                 cols, (tuple(present), tuple(g.a.shape[0] for g in groups)))
-
-
 class StepLora:
     """The adapters of one step, by layer (what `NativeLlama.forward` takes)."""
 
-    def __init__(self, segments: list[Segment], cache: dict | None = None):
+    def __init__(self, segments: list[Segment], cache: dict | None = None, kernel: torch.dtype | None = None):
         self.segments = segments
-        self.stacked = Stacked(segments, cache) if cache is not None else None
+        self.stacked = Stacked(segments, cache, kernel) if cache is not None else None
 
     def layer(self, i: int) -> LayerDeltas:
         return LayerDeltas(i, self.segments, self.stacked)
@@ -315,6 +250,7 @@ class LoraRegistry:
         self._uids = itertools.count()
         self._infos: tuple[AdapterInfo, ...] = ()  # by id, rebuilt on every load/unload: other threads read it
         self.stacking = True  # steps of adapters in one pass per linear (`Stacked`); False: one pass per adapter
+        self.kernel = True  # with stacking and the fused kernels on, few-row steps through `lora_update`
         # the stacked weights of the last STACKED_SETS sets of adapters stepped together (most recent last)
         self._stacked: OrderedDict[tuple, dict] = OrderedDict()
 
@@ -366,8 +302,9 @@ class LoraRegistry:
     def by_uid(self, uid: int) -> Adapter | None:
         return next((a for a in self.adapters.values() if a.uid == uid), None)
 
-    def step(self, rows: list[tuple[int, float, torch.Tensor]], device) -> StepLora:
-        """The step's segments from `step_rows`' entries (every uid resident: loads happen between steps)."""
+    def step(self, rows: list[tuple[int, float, torch.Tensor]], device, fused: bool = False) -> StepLora:
+        """The step's segments from `step_rows`' entries (every uid resident: loads happen between steps);
+        `fused`: the forward runs the fused kernels (then so may the updates: `KernelStep`)."""
         segments = []
         for uid, scale, index in rows:
             adapter = self.by_uid(uid)
@@ -377,7 +314,10 @@ class LoraRegistry:
             span = (int(index[0]), int(index[0]) + n) if n and int(index[-1]) - int(index[0]) == n - 1 else None
             segments.append(Segment(adapter, index.to(device), span, scale))
         segments.sort(key=lambda s: (s.adapter.uid, s.scale))  # a stable order: the stacked weights stay cached
-        return StepLora(segments, self._stacked_cache(tuple(s.adapter.uid for s in segments)) if self.stacking else None)
+        if not self.stacking:
+            return StepLora(segments)
+        kernel = self.dtype if fused and self.kernel else None
+        return StepLora(segments, self._stacked_cache(tuple(s.adapter.uid for s in segments)), kernel)
 
     def _stacked_cache(self, uids: tuple) -> dict:
         """The stacked weights of this set of adapters (filled lazily, per linear), kept for the last

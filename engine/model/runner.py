@@ -244,7 +244,7 @@ class ModelRunner:
         try:
             with torch.inference_mode(), drafted_step(step.drafts):
                 if self.native is not None:
-                    lora = self.loras.step(step.lora, self.device) if step.lora else None
+                    lora = self.loras.step(step.lora, self.device, self.native.fused) if step.lora else None
                     logits, hidden = self.native.forward(self.cache, tokens, plan, rows, lora, hidden_rows=hidden)
                 elif step.lora:
                     raise ValueError("LoRA adapters run on the native forward only; this model runs on the "

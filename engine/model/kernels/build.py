@@ -32,7 +32,7 @@ log = logging.getLogger("cellserve.kernels")
 SOURCES = tuple(Path(__file__).parent / "csrc" / name
                 for name in ("cell_kernels.cpp", "small_linear.cpp", "packed_linear.cpp", "quant_linear.cpp",
                              "quant_krows.cpp", "quant_experts.cpp", "quant_gemm.cpp", "quant_tiles.cpp",
-                                 "amx_linear.cpp"))
+                                 "amx_linear.cpp", "lora_update.cpp"))
 HEADERS = tuple(sorted((Path(__file__).parent / "csrc").glob("*.h")))  # in the cache key, not compiled alone
 # -fopenmp: at::parallel_for is inline and runs serially without it; the .so then links libgomp.so.1,
 # which resolves to the copy torch has already loaded (same soname), so there is one OpenMP runtime.

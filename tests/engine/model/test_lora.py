@@ -37,10 +37,11 @@ def _step(runner, chunks: dict, bindings: list):
     return dict(zip(chunks, runner.forward(step)))
 
 
-@pytest.mark.parametrize("fused,stacking", [(True, True), (False, True), (True, False)],
-                         ids=["kernels", "eager", "one-pass-per-adapter"])
+@pytest.mark.parametrize("fused,stacking,kernel", [(True, True, True), (True, True, False), (False, True, True),
+                                                  (True, False, True)],
+                         ids=["kernels", "stacked-onednn", "eager", "one-pass-per-adapter"])
 @pytest.mark.parametrize("name", ["llama_gqa", "qwen2"])
-def test_base_and_two_adapters_in_one_step_match_peft(name, fused, stacking, tmp_path):
+def test_base_and_two_adapters_in_one_step_match_peft(name, fused, stacking, kernel, tmp_path):
     """r 8 on q,k,v,o and the MLP, r 16 (rsLoRA) on attention only: one step holds base rows and both
     adapters' rows (prefills, then decodes), each row's logits its own model's."""
     base = tiny_model(name)
@@ -48,7 +49,7 @@ def test_base_and_two_adapters_in_one_step_match_peft(name, fused, stacking, tmp
     p16, m16 = peft_adapter(base, tmp_path / "r16", r=16, alpha=8, targets=ATTN, seed=2, rslora=True)
     runner = ModelRunner(tiny_model(name), n_cells=512)
     runner.native.fused = fused
-    runner.loras.stacking = stacking
+    runner.loras.stacking, runner.loras.kernel = stacking, kernel  # kernel: lora_update for few-row steps
     a8, _ = runner.loras.load("r8", p8)
     a16, _ = runner.loras.load("r16", p16)
     b8, b16 = LoraBinding(a8.uid, "r8"), LoraBinding(a16.uid, "r16")

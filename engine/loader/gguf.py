@@ -37,8 +37,8 @@ _PATCH_LOCK = threading.Lock()
 # (engine/loader/gguf_tensors.py reads their tensors as they are); others are dequantized to float32.
 QUANT_ARCHS = ("llama", "qwen2", "qwen3", "gemma3", "qwen3moe")
 # ggml tensor type ids; QUANT_TYPES: those the quantized kernels read as they are (gguf_tensors.KINDS)
-F32, F16, Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 8, 12, 13, 14, 30
-QUANT_TYPES = (Q8_0, Q4_0, Q4_1, Q5_0, Q4_K, Q5_K, Q6_K)  # Q5_0 repacked exactly as Q8_0 (gguf_tensors.REPACKED)
+F32, F16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, BF16 = 0, 1, 2, 3, 6, 7, 8, 12, 13, 14, 30
+QUANT_TYPES = (Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K)
 
 
 class _Header:

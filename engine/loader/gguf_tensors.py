@@ -3,10 +3,10 @@
 `read_tensor_index(path)` reads the header and the tensor table (names, ggml types, shapes, offsets)
 without parsing the token list, so it is fast even for a 150k-token vocabulary. `load_quantized(path)`
 returns every tensor of a Llama-family file (`QUANT_ARCHS`) by its llama.cpp name: Q8_0, Q4_0, Q4_1,
-Q4_K, Q5_K and Q6_K tensors as `QuantWeight` (repacked once from the file's blocks into the arrays the
-kernels read: below, and engine/model/kernels/csrc/quant_linear.cpp), Q5_0 repacked exactly into Q8_0
-(`REPACKED`: llama-quantize stores most of a Gemma 3 Q4_K_M file's matrices in Q5_0, its fallback where
-a row is not whole 256-weight super-blocks), F32/F16/BF16 as they are (F32
+Q5_0, Q5_1, Q4_K, Q5_K and Q6_K tensors as `QuantWeight` (repacked once from the file's blocks into the arrays
+the kernels read: below, and engine/model/kernels/csrc/quant_blocks.h; llama-quantize stores most of a Gemma 3
+Q4_K_M file's matrices in Q5_0, its fallback where a row is not whole 256-weight super-blocks), F32/F16/BF16
+as they are (F32
 norms, F16/BF16 in bfloat16), and any other type dequantized by gguf-py to bfloat16 per tensor (logged
 once per file). A mixture-of-experts projection (`blk.N.ffn_{gate,up,down}_exps`, 3-D [E, N, K]) is a list
 of E such weights, each repacked from its expert's contiguous slice of the file's bytes.
@@ -20,6 +20,7 @@ Block layouts in the file (ggml's public definition; d, m, dmin fp16):
   Q4_1  32 weights: d, m, qs[16] (same nibbles)            w = d * q + m                         20 B
   Q5_0  32 weights: d, uint32 qh, qs[16] (Q4_0's nibbles; bit j of qh: bit 4 of element j)
                                                             w = d * (q - 16)                      22 B
+  Q5_1  32 weights: d, m, uint32 qh, qs[16] (as Q5_0)       w = d * q + m                         24 B
   Q4_K  256 weights, 8 sub-blocks of 32: d, dmin, scales[12] (8 6-bit scales sc_j and 8 6-bit mins
         m_j: j < 4: sc = s[j] & 63, m = s[j+4] & 63; j >= 4: sc = (s[j+4] & 15) | (s[j-4] >> 6) << 4,
         m = (s[j+4] >> 4) | (s[j] >> 6) << 4), qs[128]: 32-byte group g holds sub-block 2g in its low
@@ -35,18 +36,17 @@ Repacked (`QuantWeight`, one row of blocks per output row; the kernels read thes
   qs  q8_0: uint8 [N, K], the int8 value + 128; every other kind: uint8 [N, K/2], per 32 weights
       16 bytes, byte j = element j (low nibble) | element j + 16 (high nibble): Q4_0's own layout
   d   fp16: [N, K/32] (32-weight kinds), [N, K/256] (K-quants: the super-block's d)
-  m   fp16: q4_1 [N, K/32] the block minimum; q4_k/q5_k [N, K/256] dmin
+  m   fp16: q4_1/q5_1 [N, K/32] the block minimum; q4_k/q5_k [N, K/256] dmin
   sc  q4_k/q5_k: uint8 [N, K/32] the 6-bit scales; q6_k: int8 [N, K/16]
   mn  q4_k/q5_k: uint8 [N, K/32] the 6-bit mins
   qh  the high bits, per 64 weights (two 32-blocks, "a pair") in the kernels' order of the pair
       (position i < 32: block i / 16, element i % 16; i >= 32: block (i - 32) / 16, element 16 + i % 16):
-      q5_k uint8 [N, K/8], 8 bytes a pair: bit i (little-endian uint64) = bit 4 of position i;
+      q5_0/q5_1/q5_k uint8 [N, K/8], 8 bytes a pair: bit i (little-endian uint64) = bit 4 of position i
+      (a 32-weight K of an odd block count: its last pair's 8 bytes, the missing block's bits zero);
       q6_k uint8 [N, K/4], 16 bytes a pair: bit 4 plane then bit 5 plane.
-  Q5_0 is kept as q8_0 (q - 16 is an int8; d unchanged: the same weights bit for bit, 1.0625 bytes a weight
-  against the file's 0.6875: no kernel reads 5-bit blocks yet).
-  Bytes per weight: q8_0 1.0625, q4_0 0.5625, q4_1 0.625 (the file's), q4_k 0.578 (file 0.5625),
-  q5_k 0.703 (0.6875), q6_k 0.8203 (the file's): the K-quants' packed 6-bit scales are kept a byte each.
-  The native forward keeps q8_0 / q4_0 / q4_1 linears in 16-row tiles of these same bytes instead
+  Bytes per weight: q8_0 1.0625, q4_0 0.5625, q4_1 0.625, q5_0 0.6875, q5_1 0.75 (the file's), q4_k 0.578
+  (file 0.5625), q5_k 0.703 (0.6875), q6_k 0.8203 (the file's): the K-quants' packed 6-bit scales are kept a
+  byte each. The native forward keeps the 32-weight kinds' linears in 16-row tiles of these same bytes instead
   (engine/model/native/quant_tiles.py, made from this layout once at load).
 """
 
@@ -67,6 +67,7 @@ from engine.loader.gguf import (  # noqa: F401 (re-exported)
     Q4_1,
     Q4_K,
     Q5_0,
+    Q5_1,
     Q5_K,
     Q6_K,
     Q8_0,
@@ -79,17 +80,18 @@ from engine.loader.gguf import (  # noqa: F401 (re-exported)
 log = logging.getLogger("cellserve.gguf")
 
 # the ggml types kept quantized, as the kernels call them
-KINDS = {Q8_0: "q8_0", Q4_0: "q4_0", Q4_1: "q4_1", Q4_K: "q4_k", Q5_K: "q5_k", Q6_K: "q6_k"}
-KIND_IDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q4_k": 3, "q5_k": 4, "q6_k": 5}  # the kernels' `kind` argument
-ZERO_POINTS = {"q8_0": 128, "q4_0": 8, "q4_1": 0, "q4_k": 0, "q5_k": 0, "q6_k": 32}
-BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q4_k": 144, "q5_k": 176, "q6_k": 210}
-BLOCK_WEIGHTS = {"q8_0": 32, "q4_0": 32, "q4_1": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256}
-REPACKED = {Q5_0: "q8_0"}  # ggml types the file stores that are kept, exactly, as another kind (module docstring)
+KINDS = {Q8_0: "q8_0", Q4_0: "q4_0", Q4_1: "q4_1", Q5_0: "q5_0", Q5_1: "q5_1", Q4_K: "q4_k", Q5_K: "q5_k",
+         Q6_K: "q6_k"}
+# the kernels' `kind` argument (csrc/quant_blocks.h's Kind)
+KIND_IDS = {"q8_0": 0, "q4_0": 1, "q4_1": 2, "q4_k": 3, "q5_k": 4, "q6_k": 5, "q5_0": 6, "q5_1": 7}
+ZERO_POINTS = {"q8_0": 128, "q4_0": 8, "q4_1": 0, "q5_0": 16, "q5_1": 0, "q4_k": 0, "q5_k": 0, "q6_k": 32}
+BLOCK_BYTES = {"q8_0": 34, "q4_0": 18, "q4_1": 20, "q5_0": 22, "q5_1": 24, "q4_k": 144, "q5_k": 176, "q6_k": 210}
+BLOCK_WEIGHTS = {"q8_0": 32, "q4_0": 32, "q4_1": 32, "q5_0": 32, "q5_1": 32, "q4_k": 256, "q5_k": 256, "q6_k": 256}
 
 
 def kind_of(ggml_type: int) -> str | None:
     """The kind a tensor of `ggml_type` is kept in (None: not kept quantized)."""
-    return KINDS.get(ggml_type) or REPACKED.get(ggml_type)
+    return KINDS.get(ggml_type)
 FIELDS = ("qs", "d", "m", "sc", "mn", "qh")  # the order the kernels take them in
 _NONE = torch.empty(0, dtype=torch.uint8)  # an absent field, to the kernels
 
@@ -153,17 +155,18 @@ class QuantWeight:
         else:
             b = w.qs.reshape(n, k // 32, 16)
             q = torch.cat([b & 0x0F, b >> 4], dim=-1)  # [n, K/32, 32] in element order
-        if self.kind in ("q8_0", "q4_0", "q4_1"):
+        if w.qh is not None:  # the high bit planes, kernel order -> element order (whole pairs: see _bit_planes)
+            pairs = -(-k // 64)
+            planes = w.qh.reshape(n, pairs, -1, 8)
+            shifts = torch.arange(8, dtype=torch.uint8)
+            for i in range(planes.shape[2]):
+                bits = ((planes[:, :, i, :, None] >> shifts) & 1).reshape(n, pairs, 2, 2, 16)
+                q = q | (bits.transpose(2, 3).reshape(n, 2 * pairs, 32)[:, :k // 32] << (4 + i))
+        if BLOCK_WEIGHTS[self.kind] == 32:
             out = (q.float() - z) * w.d.float()[..., None]
             if w.m is not None:
                 out += w.m.float()[..., None]
             return out.reshape(n, k)
-        if w.qh is not None:  # the high bit planes, kernel order -> element order
-            planes = w.qh.reshape(n, k // 64, -1, 8)
-            shifts = torch.arange(8, dtype=torch.uint8)
-            for i in range(planes.shape[2]):
-                bits = ((planes[:, :, i, :, None] >> shifts) & 1).reshape(n, k // 64, 2, 2, 16)
-                q = q | (bits.transpose(2, 3).reshape(n, k // 32, 32) << (4 + i))
         if self.kind == "q6_k":
             scale = w.d.float().repeat_interleave(16, dim=1) * w.sc.float()  # [n, K/16]
             return (scale[..., None] * (q.reshape(n, k // 16, 16).float() - z)).reshape(n, k)
@@ -179,7 +182,10 @@ def _nibbles(q: np.ndarray) -> np.ndarray:
 
 
 def _bit_planes(q: np.ndarray, bits: tuple[int, ...]) -> np.ndarray:
-    """The given bits of [n, k] values, per 64 weights in the kernels' order: 8 bytes a plane."""
+    """The given bits of [n, k] values, per 64 weights in the kernels' order: 8 bytes a plane (a K of an odd
+    block count padded with a zero block to whole pairs, as the kernels read it)."""
+    if q.shape[1] % 64:
+        q = np.concatenate([q, np.zeros((q.shape[0], 32), dtype=q.dtype)], axis=1)
     n, k = q.shape
     order = q.reshape(n, k // 64, 2, 2, 16).transpose(0, 1, 3, 2, 4).reshape(n, k // 64, 64)
     planes = [np.packbits((order >> b) & 1, axis=-1, bitorder="little") for b in bits]
@@ -200,8 +206,6 @@ def _half(blocks: np.ndarray, at: int, n: int) -> torch.Tensor:
 
 def pack_blocks(raw: np.ndarray, ggml_type: int, n: int, k: int) -> QuantWeight:
     """The file's interleaved blocks of a [n, k] tensor -> a `QuantWeight` (one copy, made here)."""
-    if ggml_type == Q5_0:
-        return _q5_0_as_q8_0(raw, n, k)
     kind = KINDS[ggml_type]
     bsize = BLOCK_BYTES[kind]
     blocks = np.asarray(raw, dtype=np.uint8).reshape(n, k // BLOCK_WEIGHTS[kind], bsize)
@@ -211,6 +215,8 @@ def pack_blocks(raw: np.ndarray, ggml_type: int, n: int, k: int) -> QuantWeight:
     if kind in ("q4_0", "q4_1"):
         m = _half(blocks, 2, n) if kind == "q4_1" else None
         return QuantWeight(kind, t(blocks[..., bsize - 16:].reshape(n, k // 2)), _half(blocks, 0, n), m)
+    if kind in ("q5_0", "q5_1"):
+        return _q5(blocks, kind, n, k)
     nsb = k // 256
     if kind == "q6_k":
         ql = blocks[..., 0:128].reshape(n, nsb, 2, 2, 32)  # [half, byte group of 32, l]
@@ -235,15 +241,16 @@ def pack_blocks(raw: np.ndarray, ggml_type: int, n: int, k: int) -> QuantWeight:
                        t(sc.reshape(n, k // 32)), t(mn.reshape(n, k // 32)), qh)
 
 
-def _q5_0_as_q8_0(raw: np.ndarray, n: int, k: int) -> QuantWeight:
-    """Q5_0 blocks as q8_0: each 5-bit q as the int8 q - 16 (stored + 128: q + 112), the block's d as it is."""
-    blocks = np.asarray(raw, dtype=np.uint8).reshape(n, k // 32, 22)
-    qh = np.ascontiguousarray(blocks[..., 2:6]).view("<u4")  # [n, k/32, 1]
-    nib = blocks[..., 6:22]
-    low = np.concatenate([nib & 0x0F, nib >> 4], axis=-1)  # [n, k/32, 32] element order
-    high = ((qh >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8) << 4
-    qs = ((low | high) + np.uint8(112)).reshape(n, k)
-    return QuantWeight("q8_0", torch.from_numpy(np.ascontiguousarray(qs)), _half(blocks, 0, n))
+def _q5(blocks: np.ndarray, kind: str, n: int, k: int) -> QuantWeight:
+    """Q5_0 / Q5_1 blocks [n, k/32, 22 or 24]: Q4_0's nibbles as they are, d (and q5_1's m), and bit 4 of each
+    weight as a plane per pair in the kernels' order (q5_k's), so the weight keeps the file's bytes."""
+    at = 4 if kind == "q5_1" else 2  # the uint32 qh after d (and m)
+    high = np.ascontiguousarray(blocks[..., at:at + 4]).view("<u4")  # [n, k/32, 1]: bit j = bit 4 of element j
+    bit4 = ((high >> np.arange(32, dtype=np.uint32)) & 1).astype(np.uint8).reshape(n, k)  # element order
+    t = lambda a: torch.from_numpy(np.ascontiguousarray(a))
+    m = _half(blocks, 2, n) if kind == "q5_1" else None
+    return QuantWeight(kind, t(blocks[..., at + 4:].reshape(n, k // 2)), _half(blocks, 0, n), m,
+                       qh=t(_bit_planes(bit4 << 4, (4,))))
 
 
 def _unpermute_index(n_rows: int, n_head: int) -> torch.Tensor:

@@ -66,14 +66,15 @@ def dequantized_oracle(model, path):
     return model
 
 
-@pytest.fixture(scope="module", params=[("qwen3", "q8_0"), ("qwen3", "q4_0"), ("qwen3", "q4_k_m"), ("gemma3", "q4_1"),
+@pytest.fixture(scope="module", params=[("qwen3", "q8_0"), ("qwen3", "q4_0"), ("qwen3", "q4_k_m"), ("gemma3", "q4_1+q5_1"),
                                         ("gemma3", "q4_k_m")],
                 ids=lambda p: "-".join(p))
 def served(request, tmp_path_factory):
     family, kind = request.param
     d = tmp_path_factory.mktemp(family)
     big = {"big": True} if kind == "q4_k_m" else {}  # K-quants: whole 256-weight super-blocks (Gemma: some)
-    qtype = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1": Q.Q4_1, "q4_k_m": lambda name: q4_k_m(name, 2)}[kind]
+    qtype = {"q8_0": Q.Q8_0, "q4_0": Q.Q4_0, "q4_1+q5_1": lambda name: Q.Q5_1 if ".attn_" in name else Q.Q4_1,
+             "q4_k_m": lambda name: q4_k_m(name, 2)}[kind]
     if (family, kind) == ("gemma3", "q4_k_m"):  # llama-quantize's choice for Gemma: Q5_0 where Q4_K cannot go
         qtype = gemma3_q4_k_m(BUILD[family](**big).config)
     path = write_llama_gguf(d / "tiny.gguf", BUILD[family](seed=1, **big), qtype, Q.Q8_0)
@@ -105,8 +106,9 @@ def test_the_config_is_the_files(served):
 
 def test_a_gemma_q4_k_m_file_keeps_every_matrix_quantized(tmp_path, caplog):
     """Gemma 3's Q4_K_M mixes Q5_0 (most matrices: rows of 1,152 weights are not whole K-quant super-blocks),
-    Q4_K, Q6_K and Q8_0: every one is kept quantized (Q5_0 as q8_0, exactly), none falls back to bfloat16 (the
-    logits against the dequantized weights: the `served` case gemma3-q4_k_m)."""
+    Q4_K, Q6_K and Q8_0: every one is kept quantized in its own kind at the file's bytes (Q5_0 in quant_tiles'
+    tiles), none falls back to bfloat16 (the logits against the dequantized weights: the `served` case
+    gemma3-q4_k_m)."""
     model = tiny_gemma3(seed=1, big=True)
     path = write_llama_gguf(tmp_path / "tiny.gguf", model, gemma3_q4_k_m(model.config), Q.Q8_0)
     folder = resolve_model(str(path), "quantized", home=tmp_path / "home", progress=False).path
@@ -117,8 +119,8 @@ def test_a_gemma_q4_k_m_file_keeps_every_matrix_quantized(tmp_path, caplog):
     assert not [r for r in caplog.records if "bfloat16" in r.getMessage()]
     native = runner.native
     layer = native.layers[0]
-    assert layer.mlp.gate_up.weight.kind == "q8_0" and layer.mlp.gate_up.tiled  # Q5_0 gate|up, in quant_tiles
-    assert [p.weight.kind for p in getattr(layer.qkv, "parts", [layer.qkv])] in (["q8_0"], ["q8_0", "q8_0"])
+    assert layer.mlp.gate_up.weight.kind == "q5_0" and layer.mlp.gate_up.tiled  # Q5_0 gate|up, in quant_tiles
+    assert [p.weight.kind for p in getattr(layer.qkv, "parts", [layer.qkv])] == ["q5_0"]  # layer 0: V in Q4_K too
     assert layer.o.weight.kind == "q4_k" and native.embed.weight.kind == "q8_0"
     assert quantized_share(path) == 1.0
 

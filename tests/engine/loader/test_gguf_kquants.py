@@ -1,7 +1,7 @@
 """K-quant GGUF files served quantized: a Q4_K_M-like file (Q4_K linears and embedding, Q6_K LM head,
 attn_v and ffn_down in its "more bits" layer, so Q|K|V mixes two kinds), an all-Q5_K file with a tied
-head, and a file with types the kernels do not read (Q5_1, F16), served as bfloat16 per tensor (Q5_0, kept as
-q8_0, is tests/engine/model/test_quant_linear.py's and test_gguf_families.py's Gemma 3 Q4_K_M file's).
+head, and a file with types the kernels do not read (TQ2_0, F16), served as bfloat16 per tensor (Q5_0 and Q5_1
+are tests/engine/model/test_quant_linear.py's and test_gguf_families.py's Gemma 3 files').
 The oracle: the same file dequantized to float32 by transformers (`from_pretrained(gguf_file=...)`).
 
 Tolerances, and why:
@@ -38,10 +38,10 @@ ATOL = 0.05
 
 def _fallback(name: str):
     if ".attn_v." in name:
-        return Q.Q5_1  # Q|K|V: two q4_k parts and a bf16 one
+        return Q.TQ2_0  # Q|K|V: two q4_k parts and a bf16 one
     if ".ffn_up." in name:
         return Q.F16
-    return Q.Q5_1 if name == "output.weight" else Q.Q4_K
+    return Q.TQ2_0 if name == "output.weight" else Q.Q4_K
 
 
 CASES = {  # name: (linear types, embedding type, tied head)
@@ -96,7 +96,7 @@ def test_kinds_kept_and_bytes(served, caplog):
         assert native.head.weight is native.embed.weight and native.head.weight.kind == "q5_k"
         assert all(isinstance(lin, QuantLinear) and lin.weight.kind == "q5_k" for lay in layers for lin in lay.linears())
     else:
-        assert len(warned) == 1 and "F16, Q5_1" in warned[0]  # logged once, every type named
+        assert len(warned) == 1 and "F16, TQ2_0" in warned[0]  # logged once, every type named
         assert isinstance(native.embed, CastEmbedding) and native.embed.weight.dtype == torch.bfloat16
         assert isinstance(native.head, CastLinear)
         assert [type(p) for p in layers[0].qkv.parts] == [QuantLinear, CastLinear]

@@ -157,10 +157,11 @@ def test_bad_arguments_say_what_is_wrong():
         torch.ops.cellserve.quant_tiles(x, t.tensors(), KIND_IDS["q4_1"], 30, 1, None, None, "swiglu")
 
 
+@pytest.mark.parametrize("kind", ["q4_1", "q5_1"])  # q5_1: the fifth bits' masks too
 @pytest.mark.parametrize("parts", [1, 2])
-def test_untile_any_range(parts):
+def test_untile_any_range(kind, parts):
     """Ranges starting and ending inside tiles, across the [gate; up] halves, empty: the row layout's rows."""
-    w, _ = _weight("q4_1", 70, 128, seed=6)
+    w, _ = _weight(kind, 70, 128, seed=6)
     t = TiledWeight.of(w, parts=parts)
     for r0, r1 in [(0, 70), (3, 30), (17, 35), (30, 41), (35, 36), (69, 70), (20, 20)]:
         got = t.untile(r0, r1)

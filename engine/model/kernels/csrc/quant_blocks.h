@@ -2,23 +2,24 @@
 // kernel (decode, up to INVARIANT_ROWS rows) and dequantization; quant_krows.cpp: the K-quants' row kernel;
 // quant_gemm.cpp: many rows).
 //
-// A weight [N, K] of kind q8_0, q4_0, q4_1 (32-weight blocks), q4_k, q5_k or q6_k (256-weight
+// A weight [N, K] of kind q8_0, q4_0, q4_1, q5_0, q5_1 (32-weight blocks), q4_k, q5_k or q6_k (256-weight
 // super-blocks of 32- or 16-weight groups) is up to six arrays, one row of blocks per output row
 // (engine/loader/gguf_tensors.py repacks the file's blocks into them once at load and documents them):
 //   qs  uint8 [N, K] (q8_0: the int8 value + 128) or [N, K/2] (every other kind: per 32 weights,
 //       byte j = element j (low nibble) | element j + 16 (high nibble), Q4_0's own layout)
 //   d   fp16  [N, K/32] the block's scale, or [N, K/256] the super-block's d (K-quants)
-//   m   fp16  q4_1: [N, K/32] the block minimum; q4_k/q5_k: [N, K/256] dmin
+//   m   fp16  q4_1/q5_1: [N, K/32] the block minimum; q4_k/q5_k: [N, K/256] dmin
 //   sc  q4_k/q5_k uint8 [N, K/32] 6-bit scales; q6_k int8 [N, K/16]
 //   mn  q4_k/q5_k uint8 [N, K/32] 6-bit mins
-//   qh  high bits per 64 weights in the order below: q5_k 8 bytes (bit 4), q6_k 16 (bit 4, bit 5 planes)
+//   qh  high bits per 64 weights in the order below: q5_0/q5_1/q5_k 8 bytes (bit 4), q6_k 16 (bit 4, bit 5 planes);
+//       [N, 8 * pairs] (a K of an odd block count ends in a whole pair's 8 bytes) or [N, K/4]
 // The kernels read the weights two 32-blocks ("a pair", 64 weights) at a time, in this order:
 // q8_0 the natural one; the others [b0 0..15, b1 0..15, b0 16..31, b1 16..31] (low nibbles of both
 // blocks, then high nibbles). Each 16 consecutive positions ("a chunk") are 16 weights of one block
 // (a q6_k scale group), and each int32 lane (4 positions) lies in one chunk. Per lane the weight is
 //   w = dv * (q - z) + mv
-// with z = 128 (q8_0), 8 (q4_0), 32 (q6_k), else 0; dv = d (32-weight kinds), d * sc_j (q4_k, q5_k),
-// d * sc_g (q6_k); mv = m (q4_1), -dmin * mn_j (q4_k, q5_k), else 0.
+// with z = 128 (q8_0), 8 (q4_0), 16 (q5_0), 32 (q6_k), else 0; dv = d (32-weight kinds), d * sc_j (q4_k, q5_k),
+// d * sc_g (q6_k); mv = m (q4_1, q5_1), -dmin * mn_j (q4_k, q5_k), else 0.
 // Activations are rounded to int8 (scale da = amax / 127, round half away from zero) per 32-block for the
 // 32-weight kinds (llama.cpp's q8_0) and per 256-weight super-block for the K-quants (llama.cpp's q8_K),
 // and laid out in the same pair order, so a weight pair and an activation pair dot lane by lane.
@@ -46,18 +47,24 @@
 
 namespace cq {
 
-enum Kind : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5 };
+// Q5_0 / Q5_1 (Gemma 3's Q4_K_M files: llama-quantize's fallback where a row is not whole super-blocks) came
+// last: Q4_0 / Q4_1's nibbles plus q5_k's bit-4 plane, so their ids follow the K-quants'.
+enum Kind : int64_t { Q8_0 = 0, Q4_0 = 1, Q4_1 = 2, Q4_K = 3, Q5_K = 4, Q6_K = 5, Q5_0 = 6, Q5_1 = 7 };
+constexpr int64_t kKinds = 8;
 
 inline int zero_point(int64_t kind) {
   switch (kind) {
     case Q8_0: return 128;
     case Q4_0: return 8;
+    case Q5_0: return 16;
     case Q6_K: return 32;
     default: return 0;
   }
 }
-constexpr bool super_blocks(int64_t kind) { return kind >= Q4_K; }
-inline bool has_mins(int64_t kind) { return kind == Q4_1 || kind == Q4_K || kind == Q5_K; }
+constexpr bool super_blocks(int64_t kind) { return kind == Q4_K || kind == Q5_K || kind == Q6_K; }
+constexpr bool has_mins(int64_t kind) { return kind == Q4_1 || kind == Q5_1 || kind == Q4_K || kind == Q5_K; }
+// the kinds whose bit 4 is a plane beside the nibbles (qh: 8 bytes a pair)
+constexpr bool five_bits(int64_t kind) { return kind == Q5_0 || kind == Q5_1 || kind == Q5_K; }
 inline float silu(float v) { return v / (1.f + std::exp(-v)); }
 // which block of the pair chunk c (positions 16c..16c+15) belongs to, and which half of that block
 inline int chunk_block(int64_t kind, int c) { return kind == Q8_0 ? c / 2 : c % 2; }
@@ -98,7 +105,7 @@ inline float block_dv(int64_t kind, const Row& r, int64_t b, int half) {
   return static_cast<float>(r.d[b / 8]) * static_cast<float>(r.sc[b]);
 }
 inline float block_mv(int64_t kind, const Row& r, int64_t b) {
-  if (kind == Q4_1) return static_cast<float>(r.m[b]);
+  if (kind == Q4_1 || kind == Q5_1) return static_cast<float>(r.m[b]);
   if (kind == Q4_K || kind == Q5_K) return -(static_cast<float>(r.m[b / 8]) * static_cast<float>(r.mn[b]));
   return 0.f;
 }
@@ -118,8 +125,8 @@ inline void unpack_values(int64_t kind, const Row& r, int64_t p, int64_t nb, uin
       }
     }
   }
-  if (kind == Q5_K || kind == Q6_K) {
-    const int planes = kind == Q5_K ? 1 : 2;
+  if (five_bits(kind) || kind == Q6_K) {
+    const int planes = kind == Q6_K ? 2 : 1;
     for (int pl = 0; pl < planes; ++pl) {
       uint64_t bits;
       std::memcpy(&bits, r.qh + p * 8 * planes + 8 * pl, 8);
@@ -180,8 +187,8 @@ inline __m512i load_pair(const Row& r, int64_t p, bool half) {
   const uint8_t* src = r.qs + p * 32;
   const __m256i v = half ? _mm256_maskz_loadu_epi8(0xFFFFu, src) : _mm256_loadu_si256((const __m256i*)src);
   __m512i w = unpack_nibbles(v);
-  if (KIND == Q5_K || KIND == Q6_K) {
-    constexpr int planes = KIND == Q5_K ? 1 : 2;
+  if (five_bits(KIND) || KIND == Q6_K) {
+    constexpr int planes = KIND == Q6_K ? 2 : 1;
     uint64_t b4;
     std::memcpy(&b4, r.qh + p * 8 * planes, 8);
     w = _mm512_or_si512(w, _mm512_maskz_mov_epi8(_cvtu64_mask64(b4), _mm512_set1_epi8(16)));
@@ -204,7 +211,7 @@ inline const uint8_t* bytes_of(const at::Tensor& t, at::ScalarType type, int64_t
 
 // w = [qs, d, m, sc, mn, qh] (engine/loader/gguf_tensors.py's FIELDS; empty tensors where absent).
 inline Weight weight_of(at::TensorList w, int64_t kind) {
-  TORCH_CHECK(kind >= Q8_0 && kind <= Q6_K, "quant: kind must be 0..5 (q8_0, q4_0, q4_1, q4_k, q5_k, q6_k)");
+  TORCH_CHECK(kind >= Q8_0 && kind < kKinds, "quant: kind must be 0..7 (q8_0, q4_0, q4_1, q4_k, q5_k, q6_k, q5_0, q5_1)");
   TORCH_CHECK(w.size() == 6, "quant: the weight is [qs, d, m, sc, mn, qh]");
   const at::Tensor& qs = w[0];
   TORCH_CHECK(qs.dim() == 2 && qs.is_contiguous() && qs.scalar_type() == at::kByte, "quant: qs must be contiguous uint8 [N, bytes]");
@@ -218,7 +225,7 @@ inline Weight weight_of(at::TensorList w, int64_t kind) {
   out.qs_row = qs.size(1);
   out.d_row = sup ? k / 256 : k / 32;
   out.sc_row = kind == Q6_K ? k / 16 : k / 32;
-  out.qh_row = kind == Q5_K ? k / 8 : k / 4;
+  out.qh_row = five_bits(kind) ? (k / 32 + 1) / 2 * 8 : k / 4;  // whole pairs (q5_0 / q5_1: K may end in a lone block)
   out.qs = qs.data_ptr<uint8_t>();
   out.d = reinterpret_cast<const c10::Half*>(bytes_of(w[1], at::kHalf, n, out.d_row, "d"));
   out.m = reinterpret_cast<const c10::Half*>(bytes_of(w[2], at::kHalf, n, out.d_row, "m"));
@@ -226,10 +233,11 @@ inline Weight weight_of(at::TensorList w, int64_t kind) {
   out.mn = bytes_of(w[4], at::kByte, n, out.sc_row, "mn");
   out.qh = bytes_of(w[5], at::kByte, n, out.qh_row, "qh");
   TORCH_CHECK(out.d != nullptr, "quant: d is required");
-  TORCH_CHECK((out.m != nullptr) == has_mins(kind), "quant: m is given exactly for q4_1, q4_k and q5_k");
+  TORCH_CHECK((out.m != nullptr) == has_mins(kind), "quant: m is given exactly for q4_1, q5_1, q4_k and q5_k");
   TORCH_CHECK((out.sc != nullptr) == sup, "quant: sc is given exactly for the K-quants");
   TORCH_CHECK((out.mn != nullptr) == (kind == Q4_K || kind == Q5_K), "quant: mn is given exactly for q4_k and q5_k");
-  TORCH_CHECK((out.qh != nullptr) == (kind == Q5_K || kind == Q6_K), "quant: qh is given exactly for q5_k and q6_k");
+  TORCH_CHECK((out.qh != nullptr) == (five_bits(kind) || kind == Q6_K),
+              "quant: qh is given exactly for q5_0, q5_1, q5_k and q6_k");
   return out;
 }
 

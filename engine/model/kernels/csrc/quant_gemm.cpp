@@ -182,6 +182,8 @@ at::Tensor quant_gemm(const at::Tensor& x, at::TensorList wl, int64_t kind, cons
     case Q8_0: gemm<Q8_0>(c, yp); break;
     case Q4_0: gemm<Q4_0>(c, yp); break;
     case Q4_1: gemm<Q4_1>(c, yp); break;
+    case Q5_0: gemm<Q5_0>(c, yp); break;
+    case Q5_1: gemm<Q5_1>(c, yp); break;
     case Q4_K: gemm<Q4_K>(c, yp); break;
     case Q5_K: gemm<Q5_K>(c, yp); break;
     default: gemm<Q6_K>(c, yp); break;

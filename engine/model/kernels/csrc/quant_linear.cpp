@@ -5,7 +5,7 @@
 // quant_linear (the row kernel for weights in the row layout: the K-quants, and the 32-weight kinds where K is
 // an odd number of blocks (QuantLinear keeps the others in quant_tiles.cpp's tiles); decode and speculative
 // verification, up to INVARIANT_ROWS rows, each row computed bitwise as alone; any number of rows without VNNI, in groups of 8 per weight row: quant_blocks.h's
-// rows_out), the 32-weight kinds (the K-quants: quant_krows.cpp, in integers per super-block): each row
+// rows_out), the 32-weight kinds (q8_0, q4_0, q4_1, q5_0, q5_1; the K-quants: quant_krows.cpp, in integers per super-block): each row
 // of x is quantized per 32-block to int8 (amax / 127 scale, round half away from zero, as llama.cpp's q8_0
 // activations), each weight pair is dotted
 // with it in integers (AVX-512 VNNI `vpdpbusd`: unsigned weight bytes x signed activation bytes, 4
@@ -95,10 +95,10 @@ template <int KIND, int M, int W>
 void dot_rows(const Row* r, int64_t nb, const PairAct* act, int64_t stride, float* out, int64_t ostride) {
   const int64_t pairs = (nb + 1) / 2;
   // lane -> block of the pair; lane -> q6_k group of the pair (chunk c: block c % 2, half c / 2)
-  static_assert(KIND == Q8_0 || KIND == Q4_0 || KIND == Q4_1, "the K-quants: quant_krows.cpp");
+  static_assert(!super_blocks(KIND), "the K-quants: quant_krows.cpp");
   const __m512i idx = KIND == Q8_0 ? _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0)
                                    : _mm512_set_epi32(1, 1, 1, 1, 0, 0, 0, 0, 1, 1, 1, 1, 0, 0, 0, 0);
-  constexpr bool has_m = KIND == Q4_1;
+  constexpr bool has_m = has_mins(KIND);
   __m512 acc[W][M];
   for (int j = 0; j < W; ++j)
     for (int i = 0; i < M; ++i) acc[j][i] = _mm512_setzero_ps();
@@ -111,6 +111,7 @@ void dot_rows(const Row* r, int64_t nb, const PairAct* act, int64_t stride, floa
       // as quant_krows.cpp: one core's demand misses alone stream ~10 GB/s; prefetching 4 KiB ahead (past a
       // row's end: the next row's, the rows lying one after another; a prefetch never faults) keeps more in flight
       _mm_prefetch(reinterpret_cast<const char*>(r[j].qs + (p + 4096 / pair_bytes) * pair_bytes), _MM_HINT_T0);
+      if (five_bits(KIND)) _mm_prefetch(reinterpret_cast<const char*>(r[j].qh + (p + 4096 / pair_bytes) * 8), _MM_HINT_T0);
       w[j] = load_pair<KIND>(r[j], p, half);
       dv[j] = load_scales(r[j].d, p, half, idx);
       mv[j] = has_m ? load_scales(r[j].m, p, half, idx) : _mm512_setzero_ps();
@@ -187,6 +188,8 @@ void run_rows(const Call& c, float* y) {
   switch (w.kind) {
     case Q8_0: run_kind<Q8_0>(w, act, c.rows, bp, op, y, c.n_out, c.swiglu); break;
     case Q4_0: run_kind<Q4_0>(w, act, c.rows, bp, op, y, c.n_out, c.swiglu); break;
+    case Q5_0: run_kind<Q5_0>(w, act, c.rows, bp, op, y, c.n_out, c.swiglu); break;
+    case Q5_1: run_kind<Q5_1>(w, act, c.rows, bp, op, y, c.n_out, c.swiglu); break;
     default: run_kind<Q4_1>(w, act, c.rows, bp, op, y, c.n_out, c.swiglu); break;
   }
 }
@@ -265,6 +268,8 @@ at::Tensor quant_dequant_bf16(at::TensorList wl, int64_t kind, int64_t r0, int64
       case Q8_0: dequant_bf16_rows<Q8_0>(w, r0, a, b, op); break;
       case Q4_0: dequant_bf16_rows<Q4_0>(w, r0, a, b, op); break;
       case Q4_1: dequant_bf16_rows<Q4_1>(w, r0, a, b, op); break;
+      case Q5_0: dequant_bf16_rows<Q5_0>(w, r0, a, b, op); break;
+      case Q5_1: dequant_bf16_rows<Q5_1>(w, r0, a, b, op); break;
       case Q4_K: dequant_bf16_rows<Q4_K>(w, r0, a, b, op); break;
       case Q5_K: dequant_bf16_rows<Q5_K>(w, r0, a, b, op); break;
       default: dequant_bf16_rows<Q6_K>(w, r0, a, b, op); break;

@@ -1,4 +1,4 @@
-// quant_tiles: `x @ W.T` for any number of rows over the 32-weight kinds (q8_0, q4_0, q4_1) kept in 16-row
+// quant_tiles: `x @ W.T` for any number of rows over the 32-weight kinds (q8_0, q4_0, q4_1, q5_0, q5_1) kept in 16-row
 // tiles (engine/model/native/quant_tiles.py lays them out once at load): one kernel for decode, speculative
 // verification and batched decode, and every row computed bitwise as a call with it alone.
 //
@@ -6,9 +6,13 @@
 // weight rows (quant_blocks.h), kept that way instead, packed (no byte more than the row layout):
 //   qs [T, P, L, 16, 4] uint8: tile t (weight rows 16t..16t+15), pair p, then per 64-byte record the 4 bytes
 //      of lane l of each of the 16 rows side by side. q8_0: L = 16 records, lane l = pair positions 4l..4l+3;
-//      q4_0 / q4_1: L = 8, record l holds the row-layout bytes 4l..4l+3 of the pair, whose low nibbles are lane
-//      l and whose high nibbles lane l + 8 (the pair order puts both blocks' elements j and j + 16 in one byte).
-//   d, m [T, P, 2, 16] fp16: per pair, block and row the scale (and q4_1's minimum); zero past K or N.
+//      q4_0 / q4_1 / q5_0 / q5_1: L = 8, record l holds the row-layout bytes 4l..4l+3 of the pair, whose low
+//      nibbles are lane l and whose high nibbles lane l + 8 (the pair order puts both blocks' elements j and
+//      j + 16 in one byte).
+//   d, m [T, P, 2, 16] fp16: per pair, block and row the scale (and q4_1's / q5_1's minimum); zero past K or N.
+//   qh [T, P, 8, 2, 8] uint8 (q5_0 / q5_1): per pair and record l two little-endian uint64 masks, the low
+//      nibbles' then the high nibbles': bit 4j + b is bit 4 of row j's byte b of the record, so one masked
+//      byte add puts the fifth bits into an unpacked record (no byte more than the row layout's qh).
 // So the unpacking the row kernel does per weight row and row of x (load_pair, load_scales) and the transpose
 // quant_gemm does per call are gone: a `vpdpbusd` multiplies 16 weight rows x 4 inputs by one broadcast
 // activation lane, and the float work is per block for 16 weight rows at once. At one row the kernel streams
@@ -36,6 +40,7 @@ struct Tiled {
   const c10::Half* d;
   const c10::Half* m;
   int64_t pairs, tiles, part_rows, part_tiles;
+  const uint64_t* qh;  // q5_0 / q5_1: [T, P, 8, 2] masks
 };
 
 #ifdef CELLSERVE_QUANT_VNNI
@@ -44,6 +49,7 @@ struct Cols {
   const uint8_t* qs[kNC];
   const c10::Half* d[kNC];
   const c10::Half* m[kNC];
+  const uint64_t* qh[kNC];
 };
 
 template <int KIND>
@@ -63,7 +69,10 @@ void micro(const Cols& w, const PairActs* acts, int64_t p0, int64_t p1, bool add
     for (int c = 0; c < kNC; ++c) af[r][c] = add ? _mm512_loadu_ps(out + (r * kNC + c) * 16) : _mm512_setzero_ps();
   for (int64_t p = p0; p < p1; ++p) {
     const PairActs& A = acts[p - p0];
-    for (int c = 0; c < kNC; ++c) _mm_prefetch(reinterpret_cast<const char*>(w.qs[c] + p * rec + 4096), _MM_HINT_T0);
+    for (int c = 0; c < kNC; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(w.qs[c] + p * rec + 4096), _MM_HINT_T0);
+      if (five_bits(KIND)) _mm_prefetch(reinterpret_cast<const char*>(w.qh[c] + p * 16 + 4096 / 32), _MM_HINT_T0);
+    }
     for (int g = 0; g < 2; ++g) {  // the pair's two blocks
       __m512i ai[R][kNC];
       for (int r = 0; r < R; ++r)
@@ -92,6 +101,11 @@ void micro(const Cols& w, const PairActs* acts, int64_t p0, int64_t p1, bool add
             const __m512i v = _mm512_loadu_si512(w.qs[c] + p * rec + l * 64);
             lo[c] = _mm512_and_si512(v, low4);
             hi[c] = _mm512_and_si512(_mm512_srli_epi16(v, 4), low4);
+            if (five_bits(KIND)) {  // bit 4: + 16 where the record's masks say
+              const __m512i sixteen = _mm512_set1_epi8(16);
+              lo[c] = _mm512_mask_add_epi8(lo[c], _cvtu64_mask64(w.qh[c][(p * 8 + l) * 2]), lo[c], sixteen);
+              hi[c] = _mm512_mask_add_epi8(hi[c], _cvtu64_mask64(w.qh[c][(p * 8 + l) * 2 + 1]), hi[c], sixteen);
+            }
           }
           dot(lo, l);
           dot(hi, l + 8);
@@ -101,7 +115,7 @@ void micro(const Cols& w, const PairActs* acts, int64_t p0, int64_t p1, bool add
         const __m512 dv = scales16(w.d[c] + (p * 2 + g) * 16);
         for (int r = 0; r < R; ++r)
           af[r][c] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(ai[r][c]), dv), _mm512_set1_ps(A.da[g][r]), af[r][c]);
-        if (KIND == Q4_1) {
+        if (has_mins(KIND)) {
           const __m512 mv = scales16(w.m[c] + (p * 2 + g) * 16);
           for (int r = 0; r < R; ++r) af[r][c] = _mm512_fmadd_ps(mv, _mm512_set1_ps(A.ms[g][r]), af[r][c]);
         }
@@ -126,6 +140,7 @@ Cols task_columns(const Tiled& w, const Call& c, int64_t i, int64_t* start, int*
     cols.qs[v] = w.qs + t * w.pairs * kRecords<KIND> * 64;
     cols.d[v] = w.d + t * w.pairs * 32;
     cols.m[v] = w.m ? w.m + t * w.pairs * 32 : nullptr;
+    cols.qh[v] = w.qh ? w.qh + t * w.pairs * 16 : nullptr;
   }
   return cols;
 }
@@ -168,14 +183,28 @@ constexpr bool kVnni = false;
 #endif
 
 #if defined(CELLSERVE_QUANT_VNNI) && defined(__AVX512BF16__)
-// A 4-bit block's 16 possible weights as bf16 (words 0..15 of the result): dv * (q - z), then + mv, rounded to
-// nearest even: the operations quant_dequant_bf16 does per weight, done once per value.
+// A 4- or 5-bit block's 16 or 32 possible weights as bf16 (words 0..31 of the result): dv * (q - z), then + mv,
+// rounded to nearest even: the operations quant_dequant_bf16 does per weight, done once per value.
 template <int KIND>
 __attribute__((optimize("fp-contract=off"))) inline __m512i nibble_table(float dv, float mv, __m512 z) {
+  const auto at = [&](__m512 q) {
+    __m512 v = _mm512_mul_ps(_mm512_set1_ps(dv), _mm512_sub_ps(q, z));
+    return has_mins(KIND) ? _mm512_add_ps(v, _mm512_set1_ps(mv)) : v;
+  };
   const __m512 q = _mm512_setr_ps(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
-  __m512 v = _mm512_mul_ps(_mm512_set1_ps(dv), _mm512_sub_ps(q, z));
-  if (KIND == Q4_1) v = _mm512_add_ps(v, _mm512_set1_ps(mv));
-  return _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(v));
+  if (!five_bits(KIND)) return _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(at(q)));
+  return (__m512i)_mm512_cvtne2ps_pbh(at(_mm512_add_ps(q, _mm512_set1_ps(16.f))), at(q));
+}
+
+// Row j's fifth bits of one pair from its tile's masks (m: the pair's [8][2]), as the row layout's 64-bit mask in
+// the pair order: position 4l + b from the low-nibble mask of record l, 32 + 4l + b from its high-nibble one.
+inline uint64_t row_high_bits(const uint64_t* m, int64_t j) {
+  uint64_t out = 0;
+  for (int l = 0; l < 8; ++l) {
+    out |= ((m[2 * l] >> (4 * j)) & 0xF) << (4 * l);
+    out |= ((m[2 * l + 1] >> (4 * j)) & 0xF) << (32 + 4 * l);
+  }
+  return out;
 }
 
 // A block's 16 bytes (element j in the low nibble of byte j, element j + 16 in the high one) as 32 word indices
@@ -207,12 +236,18 @@ __attribute__((optimize("fp-contract=off"))) void tiles_bf16_rows(const Tiled& w
     at::BFloat16* dst = out + (n - r0) * k;
     for (int64_t p = 0; p < w.pairs; ++p) {
       const int32_t* rec = lanes + p * records * 16;
-      if (KIND != Q8_0) {  // 4-bit: each block's 16 possible values, then a table lookup per weight
+      if (KIND != Q8_0) {  // 4/5-bit: each block's 16 or 32 possible values, then a table lookup per weight
         const __m256i bytes = _mm256_i32gather_epi32(rec, _mm512_castsi512_si256(at_record), 4);
+        const uint64_t high = five_bits(KIND) ? row_high_bits(w.qh + (t * w.pairs + p) * 16, j) : 0;
         for (int g = 0; g < 2; ++g) {
-          const float mg = KIND == Q4_1 ? static_cast<float>(m[(p * 2 + g) * 16]) : 0.f;
+          const float mg = has_mins(KIND) ? static_cast<float>(m[(p * 2 + g) * 16]) : 0.f;
           const __m512i table = nibble_table<KIND>(static_cast<float>(d[(p * 2 + g) * 16]), mg, z);
-          const __m512i v = nibble_index(g == 0 ? _mm256_castsi256_si128(bytes) : _mm256_extracti128_si256(bytes, 1));
+          __m512i v = nibble_index(g == 0 ? _mm256_castsi256_si128(bytes) : _mm256_extracti128_si256(bytes, 1));
+          if (five_bits(KIND)) {  // element order: block g's elements 0..15, then 16..31
+            const uint32_t bits = static_cast<uint32_t>((high >> (16 * g)) & 0xFFFF) |
+                                  static_cast<uint32_t>((high >> (32 + 16 * g)) & 0xFFFF) << 16;
+            v = _mm512_mask_add_epi16(v, _cvtu32_mask32(bits), v, _mm512_set1_epi16(16));
+          }
           _mm512_storeu_si512(dst + p * 64 + g * 32, _mm512_permutexvar_epi16(v, table));
         }
         continue;
@@ -221,7 +256,7 @@ __attribute__((optimize("fp-contract=off"))) void tiles_bf16_rows(const Tiled& w
       for (int c = 0; c < 4; ++c) {
         const int g = chunk_block(KIND, c), half = chunk_half(KIND, c);
         __m512 v = _mm512_mul_ps(_mm512_set1_ps(static_cast<float>(d[(p * 2 + g) * 16])), _mm512_sub_ps(chunk_floats(q, c), z));
-        if (KIND == Q4_1) v = _mm512_add_ps(v, _mm512_set1_ps(static_cast<float>(m[(p * 2 + g) * 16])));
+        if (has_mins(KIND)) v = _mm512_add_ps(v, _mm512_set1_ps(static_cast<float>(m[(p * 2 + g) * 16])));
         _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + p * 64 + g * 32 + half * 16), (__m256i)_mm512_cvtneps_pbh(v));
       }
     }
@@ -239,21 +274,30 @@ const c10::Half* halves(const at::Tensor& t, const at::Tensor& qs, int64_t pairs
   return reinterpret_cast<const c10::Half*>(t.data_ptr());
 }
 
-// The tiled weight [qs, d, m] of `n` rows in `parts` parts, checked (errors name `op`).
+// The tiled weight [qs, d, m, qh] of `n` rows in `parts` parts, checked (errors name `op`).
 Tiled tiled_of(at::TensorList wl, int64_t kind, int64_t n, int64_t parts, const char* op) {
-  TORCH_CHECK(kind == Q8_0 || kind == Q4_0 || kind == Q4_1, op, ": kind must be q8_0, q4_0 or q4_1 (0..2)");
-  TORCH_CHECK(wl.size() == 3, op, ": the weight is [qs, d, m] (m empty but for q4_1)");
+  TORCH_CHECK(kind == Q8_0 || kind == Q4_0 || kind == Q4_1 || kind == Q5_0 || kind == Q5_1, op,
+              ": kind must be q8_0, q4_0, q4_1, q5_0 or q5_1 (0..2, 6, 7)");
+  TORCH_CHECK(wl.size() == 4, op, ": the weight is [qs, d, m, qh] (m empty but for q4_1 / q5_1, qh but for q5_0 / q5_1)");
   const at::Tensor& qs = wl[0];
   const int64_t records = kind == Q8_0 ? 16 : 8;
   TORCH_CHECK(qs.dim() == 5 && qs.is_contiguous() && qs.scalar_type() == at::kByte && qs.size(2) == records &&
                   qs.size(3) == 16 && qs.size(4) == 4,
               op, ": qs must be contiguous uint8 [T, P, ", records, ", 16, 4]");
   TORCH_CHECK(parts >= 1 && n % parts == 0 && qs.size(0) % parts == 0, op, ": n and the tiles must split into `parts`");
-  Tiled w{qs.data_ptr<uint8_t>(), nullptr, nullptr, qs.size(1), qs.size(0), n / parts, qs.size(0) / parts};
+  Tiled w{qs.data_ptr<uint8_t>(), nullptr, nullptr, qs.size(1), qs.size(0), n / parts, qs.size(0) / parts, nullptr};
   TORCH_CHECK(w.part_tiles == (w.part_rows + 15) / 16, op, ": each part must be ceil(rows / 16) tiles");
   w.d = halves(wl[1], qs, w.pairs, "d");
-  TORCH_CHECK((wl[2].numel() > 0) == (kind == Q4_1), op, ": m is given exactly for q4_1");
-  if (kind == Q4_1) w.m = halves(wl[2], qs, w.pairs, "m");
+  TORCH_CHECK((wl[2].numel() > 0) == has_mins(kind), op, ": m is given exactly for q4_1 and q5_1");
+  if (has_mins(kind)) w.m = halves(wl[2], qs, w.pairs, "m");
+  const at::Tensor& qh = wl[3];
+  TORCH_CHECK((qh.numel() > 0) == five_bits(kind), op, ": qh is given exactly for q5_0 and q5_1");
+  if (five_bits(kind)) {
+    TORCH_CHECK(qh.dim() == 5 && qh.is_contiguous() && qh.scalar_type() == at::kByte && qh.size(0) == qs.size(0) &&
+                    qh.size(1) == w.pairs && qh.size(2) == 8 && qh.size(3) == 2 && qh.size(4) == 8,
+                op, ": qh must be contiguous uint8 [T, P, 8, 2, 8]");
+    w.qh = reinterpret_cast<const uint64_t*>(qh.data_ptr());
+  }
   return w;
 }
 
@@ -296,6 +340,8 @@ at::Tensor quant_tiles(const at::Tensor& x, at::TensorList wl, int64_t kind, int
   switch (kind) {
     case Q8_0: tiled<Q8_0>(w, c, yp); break;
     case Q4_0: tiled<Q4_0>(w, c, yp); break;
+    case Q5_0: tiled<Q5_0>(w, c, yp); break;
+    case Q5_1: tiled<Q5_1>(w, c, yp); break;
     default: tiled<Q4_1>(w, c, yp); break;
   }
 #endif
@@ -314,6 +360,8 @@ at::Tensor quant_tiles_bf16(at::TensorList wl, int64_t kind, int64_t n, int64_t 
     switch (kind) {
       case Q8_0: tiles_bf16_rows<Q8_0>(w, r0, a, b, op); break;
       case Q4_0: tiles_bf16_rows<Q4_0>(w, r0, a, b, op); break;
+      case Q5_0: tiles_bf16_rows<Q5_0>(w, r0, a, b, op); break;
+      case Q5_1: tiles_bf16_rows<Q5_1>(w, r0, a, b, op); break;
       default: tiles_bf16_rows<Q4_1>(w, r0, a, b, op); break;
     }
   });

@@ -140,22 +140,18 @@ struct ScaleIdx {
 };
 constexpr ScaleIdx kIdx{};
 
-// acc[j][i] -= sum over row j's blocks of (dmin * mn_b) * (da * bs_b) (q4_k, q5_k: the mins' term), 16 blocks
-// (two super-blocks) a step, in floats: act.ms holds da * bs_b a block. Each (j, i) takes the same operations
-// whatever R and M are.
-template <int R, int M>
-inline void sub_mins(const Row* r, int64_t sbs, const KAct* const* act, __m512 (*acc)[M]) {
+// acc[i] -= sum over the row's blocks of (dmin * mn_b) * (da * bs_b) (q4_k, q5_k: the mins' term), 16 blocks
+// (two super-blocks) a step, in floats: act.ms holds da * bs_b a block.
+template <int M>
+inline void sub_mins(const Row& r, int64_t sbs, const KAct* const* act, __m512* acc) {
   const __m512i two = _mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0);
   for (int64_t s = 0; s < sbs; s += 2) {
     const bool one = s + 1 == sbs;
-    __m512 a[M];
-    for (int i = 0; i < M; ++i) a[i] = _mm512_maskz_loadu_ps(one ? 0xFF : 0xFFFF, act[i]->ms.data() + s * 8);
-    for (int j = 0; j < R; ++j) {
-      const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(one ? 0xFF : 0xFFFF, r[j].mn + s * 8)));
-      const __m128 dm = _mm_cvtph_ps(_mm_maskz_loadu_epi16(one ? 0x1 : 0x3, r[j].m + s));
-      const __m512 wm = _mm512_mul_ps(mn, _mm512_permutexvar_ps(two, _mm512_castps128_ps512(dm)));
-      for (int i = 0; i < M; ++i) acc[j][i] = _mm512_fnmadd_ps(wm, a[i], acc[j][i]);
-    }
+    const __m512 mn = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8(one ? 0xFF : 0xFFFF, r.mn + s * 8)));
+    const __m128 dm = _mm_cvtph_ps(_mm_maskz_loadu_epi16(one ? 0x1 : 0x3, r.m + s));
+    const __m512 wm = _mm512_mul_ps(mn, _mm512_permutexvar_ps(two, _mm512_castps128_ps512(dm)));
+    for (int i = 0; i < M; ++i)
+      acc[i] = _mm512_fnmadd_ps(wm, _mm512_maskz_loadu_ps(one ? 0xFF : 0xFFFF, act[i]->ms.data() + s * 8), acc[i]);
   }
 }
 
@@ -172,86 +168,68 @@ inline void prefetch_ahead(const Row& r, int64_t s) {
   if constexpr (KIND != Q4_K) _mm_prefetch(reinterpret_cast<const char*>(r.qh + s * (KIND == Q5_K ? 32 : 64)), _MM_HINT_T0);
 }
 
-// R weight rows r[0..R) times M activation rows: out[j * ostride + i]. R > 1 (one activation row: decode)
-// runs R rows' independent chains side by side and shares each activation load; each (weight row, activation
-// row) takes the same operations in the same order whatever R and M are, so its value is bitwise the same.
-template <int KIND, int M, int R = 1>
-void dot_krows(const Row* r, int64_t sbs, const KAct* const* act, float* out, int64_t ostride = 0) {
+template <int KIND, int M>
+void dot_krows(const Row& r, int64_t sbs, const KAct* const* act, float* out) {
   constexpr int A = KIND == Q6_K && M <= 4 ? 2 : 1;  // int32 accumulators a row (two: shorter chains)
-  __m512 acc[R][M];
-  for (int j = 0; j < R; ++j)
-    for (int i = 0; i < M; ++i) acc[j][i] = _mm512_setzero_ps();
-  if constexpr (KIND != Q6_K) sub_mins<R, M>(r, sbs, act, acc);
-  alignas(64) float dw[R][16];  // d of 16 super-blocks as floats, read back as broadcasts
+  __m512 acc[M];
+  for (int i = 0; i < M; ++i) acc[i] = _mm512_setzero_ps();
+  if constexpr (KIND != Q6_K) sub_mins<M>(r, sbs, act, acc);
+  alignas(64) float dw[16];  // d of 16 super-blocks as floats, read back as broadcasts
   for (int64_t s = 0; s < sbs; ++s) {
     if (s % 16 == 0) {
       const int64_t n = std::min<int64_t>(16, sbs - s);
-      for (int j = 0; j < R; ++j)
-        _mm512_store_ps(dw[j], _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), r[j].d + s)));
+      _mm512_store_ps(dw, _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(static_cast<__mmask16>((1u << n) - 1), r.d + s)));
     }
-    __m512i raw[R];  // the super-block's scales: bytes [0, 8) (q4_k, q5_k), or int16 lanes [0, 16) (q6_k)
-    for (int j = 0; j < R; ++j) {
-      prefetch_ahead<KIND>(r[j], s + kAhead);
-      if constexpr (KIND == Q6_K) {
-        raw[j] = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r[j].sc + s * 16))));
-      } else {
-        raw[j] = _mm512_castsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r[j].sc + s * 8)));
-      }
+    prefetch_ahead<KIND>(r, s + kAhead);
+    __m512i raw;  // the super-block's scales: bytes [0, 8) (q4_k, q5_k), or int16 lanes [0, 16) (q6_k)
+    if constexpr (KIND == Q6_K) {
+      raw = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r.sc + s * 16))));
+    } else {
+      raw = _mm512_castsi128_si512(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(r.sc + s * 8)));
     }
-    __m512i iacc[R][M][A];
-    for (int j = 0; j < R; ++j)
-      for (int i = 0; i < M; ++i)
-        for (int t = 0; t < A; ++t) iacc[j][i][t] = _mm512_setzero_si512();
+    __m512i iacc[M][A];
+    for (int i = 0; i < M; ++i)
+      for (int t = 0; t < A; ++t) iacc[i][t] = _mm512_setzero_si512();
     for (int h = 0; h < 2; ++h) {
-      __m512i alo[M], ahi[M];
+      __m512i lo, hi, slo, shi;
+      load_quad<KIND>(r, s, h, &lo, &hi);
+      if constexpr (KIND == Q6_K) {
+        const __m512i at = _mm512_add_epi16(_mm512_load_si512(kIdx.words), _mm512_set1_epi16(static_cast<int16_t>(8 * h)));
+        slo = _mm512_permutexvar_epi16(at, raw);
+        shi = _mm512_permutexvar_epi16(_mm512_add_epi16(at, _mm512_set1_epi16(1)), raw);
+      } else {
+        slo = shi = _mm512_maskz_permutexvar_epi8(0x1111111111111111ull, _mm512_load_si512(kIdx.bytes[h]), raw);
+      }
       for (int i = 0; i < M; ++i) {
         const int8_t* aq = act[i]->q.data() + s * 256 + h * 128;
-        alo[i] = _mm512_loadu_si512(aq);
-        ahi[i] = _mm512_loadu_si512(aq + 64);
-      }
-      for (int j = 0; j < R; ++j) {
-        __m512i lo, hi, slo, shi;
-        load_quad<KIND>(r[j], s, h, &lo, &hi);
         if constexpr (KIND == Q6_K) {
-          const __m512i at = _mm512_add_epi16(_mm512_load_si512(kIdx.words), _mm512_set1_epi16(static_cast<int16_t>(8 * h)));
-          slo = _mm512_permutexvar_epi16(at, raw[j]);
-          shi = _mm512_permutexvar_epi16(_mm512_add_epi16(at, _mm512_set1_epi16(1)), raw[j]);
-        } else {
-          slo = shi = _mm512_maskz_permutexvar_epi8(0x1111111111111111ull, _mm512_load_si512(kIdx.bytes[h]), raw[j]);
-        }
-        for (int i = 0; i < M; ++i) {
-          if constexpr (KIND == Q6_K) {
-            iacc[j][i][0] = _mm512_dpwssd_epi32(iacc[j][i][0], _mm512_maddubs_epi16(lo, alo[i]), slo);
-            iacc[j][i][A - 1] = _mm512_dpwssd_epi32(iacc[j][i][A - 1], _mm512_maddubs_epi16(hi, ahi[i]), shi);
-          } else {  // both halves' chunk c is one block: 8 products an int32 lane, then times its scale
-            __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, alo[i]);
-            t = _mm512_dpbusd_epi32(t, hi, ahi[i]);
-            iacc[j][i][0] = _mm512_dpwssd_epi32(iacc[j][i][0], t, slo);
-          }
+          iacc[i][0] = _mm512_dpwssd_epi32(iacc[i][0], _mm512_maddubs_epi16(lo, _mm512_loadu_si512(aq)), slo);
+          iacc[i][A - 1] = _mm512_dpwssd_epi32(iacc[i][A - 1], _mm512_maddubs_epi16(hi, _mm512_loadu_si512(aq + 64)), shi);
+        } else {  // both halves' chunk c is one block: 8 products an int32 lane, then times its scale
+          __m512i t = _mm512_dpbusd_epi32(_mm512_setzero_si512(), lo, _mm512_loadu_si512(aq));
+          t = _mm512_dpbusd_epi32(t, hi, _mm512_loadu_si512(aq + 64));
+          iacc[i][0] = _mm512_dpwssd_epi32(iacc[i][0], t, slo);
         }
       }
     }
-    for (int j = 0; j < R; ++j) {
-      if constexpr (A == 2)
-        for (int i = 0; i < M; ++i) iacc[j][i][0] = _mm512_add_epi32(iacc[j][i][0], iacc[j][i][1]);
-      if constexpr (KIND == Q6_K) {
-        const __m512i zsc = _mm512_mullo_epi16(raw[j], _mm512_set1_epi16(-32));  // -32 * sc_g, |.| <= 4,096
-        for (int i = 0; i < M; ++i) {
-          const __m512i bs = _mm512_maskz_loadu_epi16(0xFFFF, act[i]->bs.data() + s * 16);  // zeros above 16
-          iacc[j][i][0] = _mm512_dpwssd_epi32(iacc[j][i][0], zsc, bs);
-        }
+    if constexpr (A == 2)
+      for (int i = 0; i < M; ++i) iacc[i][0] = _mm512_add_epi32(iacc[i][0], iacc[i][1]);
+    if constexpr (KIND == Q6_K) {
+      const __m512i zsc = _mm512_mullo_epi16(raw, _mm512_set1_epi16(-32));  // -32 * sc_g, |.| <= 4,096
+      for (int i = 0; i < M; ++i) {
+        const __m512i bs = _mm512_maskz_loadu_epi16(0xFFFF, act[i]->bs.data() + s * 16);  // zeros above 16
+        iacc[i][0] = _mm512_dpwssd_epi32(iacc[i][0], zsc, bs);
       }
-      const __m512 d = _mm512_set1_ps(dw[j][s % 16]);
-      for (int i = 0; i < M; ++i)
-        acc[j][i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(iacc[j][i][0]), d), _mm512_set1_ps(act[i]->da[s]), acc[j][i]);
     }
+    const __m512 d = _mm512_set1_ps(dw[s % 16]);
+    for (int i = 0; i < M; ++i)
+      acc[i] = _mm512_fmadd_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(iacc[i][0]), d), _mm512_set1_ps(act[i]->da[s]), acc[i]);
   }
-  for (int j = 0; j < R; ++j)
-    for (int i = 0; i < M; ++i) out[j * ostride + i] = _mm512_reduce_add_ps(acc[j][i]);
+  for (int i = 0; i < M; ++i) out[i] = _mm512_reduce_add_ps(acc[i]);
 }
 #else
 template <int KIND, int M>
-void dot_one(const Row& r, int64_t sbs, const KAct* const* act, float* out) {
+void dot_krows(const Row& r, int64_t sbs, const KAct* const* act, float* out) {
   uint8_t q[64];
   for (int i = 0; i < M; ++i) out[i] = 0.f;
   for (int64_t s = 0; s < sbs; ++s) {
@@ -279,66 +257,18 @@ void dot_one(const Row& r, int64_t sbs, const KAct* const* act, float* out) {
     }
   }
 }
-
-template <int KIND, int M, int R = 1>
-void dot_krows(const Row* r, int64_t sbs, const KAct* const* act, float* out, int64_t ostride = 0) {
-  for (int j = 0; j < R; ++j) dot_one<KIND, M>(r[j], sbs, act, out + j * ostride);
-}
 #endif
-
-// One activation row times nr (1 to 4) weight rows rs: out[j] (dot_krows with R = nr: each value bitwise
-// the one a single weight row gives).
-template <int KIND>
-inline void dot_one_row(const Row* rs, int nr, int64_t sbs, const KAct* const* act, float* out) {
-  switch (nr) {
-    case 4: return dot_krows<KIND, 1, 4>(rs, sbs, act, out, 1);
-    case 3: return dot_krows<KIND, 1, 3>(rs, sbs, act, out, 1);
-    case 2: return dot_krows<KIND, 1, 2>(rs, sbs, act, out, 1);
-    default: return dot_krows<KIND, 1, 1>(rs, sbs, act, out, 1);
-  }
-}
-
-// One row (decode): rows_out's loop and epilogue (the same expressions, so the same values), but 4 weight rows
-// at a time in one dot_krows (with swiglu 2 outputs: their gate and up rows): at K = 1024 one row's own
-// overhead (the mins' pass, the reduction, the call) was as large as its 4 super-blocks' work.
-template <int KIND>
-void one_row(const Weight& w, const KAct* act, const float* bias, const float* other, float* y, int64_t n_out,
-             bool swiglu) {
-  const int64_t sbs = w.k / 256;
-  at::parallel_for(0, n_out, 16, [&](int64_t n0, int64_t n1) {
-    for (int64_t n = n0; n < n1;) {
-      const int outs = static_cast<int>(std::min<int64_t>(swiglu ? 2 : 4, n1 - n));
-      Row rs[4];
-      float s[4];
-      for (int j = 0; j < outs; ++j) {
-        rs[j] = row_of(w, n + j);
-        if (swiglu) rs[outs + j] = row_of(w, n + n_out + j);
-      }
-      dot_one_row<KIND>(rs, swiglu ? 2 * outs : outs, sbs, &act, s);
-      for (int j = 0; j < outs; ++j, ++n) {
-        if (swiglu) {
-          const float bg = bias ? bias[n] : 0.f, bu = bias ? bias[n + n_out] : 0.f;
-          y[n] = silu(s[j] + bg) * (s[outs + j] + bu);
-        } else {
-          const float bn = bias ? bias[n] : 0.f;
-          y[n] = s[j] + bn + (other ? other[n] : 0.f);
-        }
-      }
-    }
-  });
-}
 
 template <int KIND>
 void run_kkind(const Weight& w, const std::vector<KAct>& act, const float* bias, const float* other, float* y,
                int64_t n_out, bool swiglu) {
   const int64_t sbs = w.k / 256;
-  if (act.size() == 1) return one_row<KIND>(w, act.data(), bias, other, y, n_out, swiglu);
   std::vector<const KAct*> ptrs(act.size());
   for (size_t i = 0; i < act.size(); ++i) ptrs[i] = &act[i];
   rows_out(w, static_cast<int64_t>(act.size()), bias, other, y, n_out, swiglu,
            [&](auto m, const Row* r, int nw, int64_t i0, float* sums) {
              const int64_t rows = static_cast<int64_t>(act.size());
-             for (int j = 0; j < nw; ++j) dot_krows<KIND, decltype(m)::value>(r + j, sbs, ptrs.data() + i0, sums + j * rows);
+             for (int j = 0; j < nw; ++j) dot_krows<KIND, decltype(m)::value>(r[j], sbs, ptrs.data() + i0, sums + j * rows);
            });
 }
 
@@ -354,28 +284,13 @@ void run_experts(const Weight& w, const ExpertGroups& e, const KAct* const* act,
     for (int64_t u = u0; u < u1; ++u) {
       const int64_t g = u / per_group, n0 = (u % per_group) * chunk, n1 = std::min(e.n_out, n0 + chunk);
       const int64_t p0 = e.start[g], m = e.start[g + 1] - p0, base = e.expert[g] * e.per;
-      if (m == 1) {  // one_row's grouping of weight rows, this epilogue
-        for (int64_t n = n0; n < n1;) {
-          const int outs = static_cast<int>(std::min<int64_t>(e.swiglu ? 2 : 4, n1 - n));
-          Row rs[4];
-          float o[4];
-          for (int j = 0; j < outs; ++j) {
-            rs[j] = row_of(w, base + n + j);
-            if (e.swiglu) rs[outs + j] = row_of(w, base + n + e.n_out + j);
-          }
-          dot_one_row<KIND>(rs, e.swiglu ? 2 * outs : outs, sbs, act + p0, o);
-          for (int j = 0; j < outs; ++j, ++n)
-            y[p0 * e.n_out + n] = e.swiglu ? silu(o[j] + 0.f) * (o[outs + j] + 0.f) : o[j] + 0.f + 0.f;
-        }
-        continue;
-      }
       s.resize(static_cast<size_t>(2 * m));
       for (int64_t n = n0; n < n1; ++n) {
         const Row rs[2] = {row_of(w, base + n), row_of(w, base + n + (e.swiglu ? e.n_out : 0))};
         for (int j = 0; j < (e.swiglu ? 2 : 1); ++j)
           for (int64_t i0 = 0; i0 < m; i0 += kGroupRows)
             with_rows(std::min(kGroupRows, m - i0), [&](auto t) {
-              dot_krows<KIND, decltype(t)::value>(rs + j, sbs, act + p0 + i0, s.data() + j * m + i0);
+              dot_krows<KIND, decltype(t)::value>(rs[j], sbs, act + p0 + i0, s.data() + j * m + i0);
             });
         for (int64_t i = 0; i < m; ++i)
           y[(p0 + i) * e.n_out + n] = e.swiglu ? silu(s[i] + 0.f) * (s[m + i] + 0.f) : s[i] + 0.f + 0.f;

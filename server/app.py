@@ -30,8 +30,8 @@ from server.responses import routes as responses_routes
 from server.sequences import routes as sequence_routes
 from server.state import EngineFactory, ServerContext
 from server.streams import routes as stream_routes
+from server.streams.kept import KeptStreams
 from server.streams.middleware import ResumableStreams
-from server.streams.sessions import StreamSessions
 from server.ui import routes as ui_routes
 
 if TYPE_CHECKING:  # the server never imports the engine (torch) at run time; it is injected
@@ -74,7 +74,7 @@ def build_app(engine: Union["EngineClient", EngineFactory], *, served_model_name
     app.state.ctx = ctx
     app.state.pooling = pooling
     app.state.rerank_mode = rerank_mode
-    app.state.streams = StreamSessions()
+    app.state.streams = KeptStreams()
     ctx.metrics.registry.register(adapter_routes.AdapterCollector(ctx))
     install_error_handlers(app)
     app.include_router(ops_routes.public, responses=ERROR_RESPONSES)
@@ -88,7 +88,7 @@ def build_app(engine: Union["EngineClient", EngineFactory], *, served_model_name
     app.include_router(anthropic_routes.router, dependencies=[Depends(require_key)], responses=ERROR_RESPONSES)
     _document_errors_only_as_sent(app)
     app.add_middleware(HeadAsGet)
-    app.add_middleware(ResumableStreams, sessions=app.state.streams)  # inside the body limit: it reads bodies
+    app.add_middleware(ResumableStreams, kept_streams=app.state.streams)  # inside the body limit: it reads bodies
     app.add_middleware(BodySizeLimit, limits=ctx.limits)
     app.add_middleware(AnthropicErrors)  # Anthropic's error shape on /v1/messages, 413 included
     app.add_middleware(WithoutV1)

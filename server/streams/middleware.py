@@ -1,12 +1,12 @@
 """Resumable streams (llama.cpp's): a streamed request (`"stream": true`) that carries `X-Conversation-Id` keeps
-generating when its client goes away, and every byte of its SSE answer is kept in the conversation's session
-(server.streams.sessions), so a reloaded page reads it again from any offset (`GET /v1/stream`) and a stop
+generating when its client goes away, and every byte of its SSE answer is kept in the conversation's kept stream
+(server.streams.kept), so a reloaded page reads it again from any offset (`GET /v1/stream`) and a stop
 (`DELETE /v1/stream`) cancels it.
 
 `ResumableStreams` is ASGI middleware, so every streaming route (chat, completions, responses, messages,
 llama.cpp's /completion) gets it the same way: for such a request the app's `receive` reports no disconnect
-until the session is stopped (then it reports one, and the route cancels its engine request as for a client
-that left), its writes go to the session as well as to the client, and a write to a client that left is
+until the kept stream is stopped (then it reports one, and the route cancels its engine request as for a client
+that left), its writes go to the kept stream as well as to the client, and a write to a client that left is
 dropped. A request without the header, or one that does not stream, is passed through untouched.
 """
 
@@ -14,15 +14,15 @@ import json
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.streams.sessions import StreamSession, StreamSessions
+from server.streams.kept import KeptStream, KeptStreams
 
 HEADER = b"x-conversation-id"
 
 
 class ResumableStreams:
-    def __init__(self, app: ASGIApp, sessions: StreamSessions):
+    def __init__(self, app: ASGIApp, kept_streams: KeptStreams):
         self.app = app
-        self.sessions = sessions
+        self.kept_streams = kept_streams
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         conversation = _header(scope, HEADER) if scope["type"] == "http" and scope["method"] == "POST" else None
@@ -39,13 +39,13 @@ class ResumableStreams:
         if not _streams(body):
             await self.app(scope, _replaying(body, receive), send)
             return
-        session = self.sessions.open(conversation)
-        tee = _Tee(send, session, self.sessions)
+        kept = self.kept_streams.open(conversation)
+        tee = _Tee(send, kept, self.kept_streams)
         try:
-            await self.app(scope, _detached(body, session), tee)
+            await self.app(scope, _detached(body, kept), tee)
             await tee.close()
         finally:
-            session.finish()
+            kept.finish()
 
 
 def _header(scope: Scope, name: bytes) -> str | None:
@@ -93,8 +93,8 @@ def _replaying(body: bytes, receive: Receive) -> Receive:
     return replay
 
 
-def _detached(body: bytes, session: StreamSession) -> Receive:
-    """The body, then a disconnect only when the session is stopped: the client leaving changes nothing."""
+def _detached(body: bytes, kept: KeptStream) -> Receive:
+    """The body, then a disconnect only when the kept stream is stopped: the client leaving changes nothing."""
     sent = False
 
     async def receive() -> Message:
@@ -102,19 +102,19 @@ def _detached(body: bytes, session: StreamSession) -> Receive:
         if not sent:
             sent = True
             return {"type": "http.request", "body": body, "more_body": False}
-        await session.cancelled.wait()
+        await kept.cancelled.wait()
         return {"type": "http.disconnect"}
     return receive
 
 
 class _Tee:
-    """The app's `send` for a resumable request: writes go to the session (an SSE answer's body) and to the
+    """The app's `send` for a resumable request: writes go to the kept stream (an SSE answer's body) and to the
     client while it is there. An answer that is not an event stream (an error before streaming began) leaves
-    nothing to replay: its session is dropped. `close` ends a stream the app left unfinished (a stop cancelled
+    nothing to replay: its kept stream is dropped. `close` ends a stream the app left unfinished (a stop cancelled
     it), so a client still reading sees the stream end rather than a broken connection."""
 
-    def __init__(self, send: Send, session: StreamSession, sessions: StreamSessions):
-        self.send, self.session, self.sessions = send, session, sessions
+    def __init__(self, send: Send, kept: KeptStream, kept_streams: KeptStreams):
+        self.send, self.kept, self.kept_streams = send, kept, kept_streams
         self.client = True
         self.streaming = False
         self.complete = False
@@ -123,11 +123,11 @@ class _Tee:
         if message["type"] == "http.response.start":
             self.streaming = _content_type(message).startswith(b"text/event-stream")
             if not self.streaming:
-                self.sessions.drop(self.session)
+                self.kept_streams.drop(self.kept)
         elif message["type"] == "http.response.body":
             self.complete = not message.get("more_body", False)
             if self.streaming:
-                self.session.append(message.get("body", b""))
+                self.kept.append(message.get("body", b""))
         await self._to_client(message)
 
     async def close(self) -> None:
@@ -139,7 +139,7 @@ class _Tee:
         if self.client:
             try:
                 await self.send(message)
-            except OSError:  # the client went away: the session still gets every byte
+            except OSError:  # the client went away: the kept stream still gets every byte
                 self.client = False
 
 

@@ -1,4 +1,4 @@
-"""llama-server's resumable-stream routes over the sessions `ResumableStreams` fills (server.streams):
+"""llama-server's resumable-stream routes over the kept streams `ResumableStreams` fills (server.streams):
 `GET /v1/stream?conv_id=ID&from=N` replays the conversation's SSE bytes from offset N and follows them live
 until the stream ends; `DELETE /v1/stream?conv_id=ID` is the user's stop (the generation is cancelled; 204,
 also when there was nothing to stop); `POST /v1/streams/lookup` `{"conversation_ids": [...]}` says, for the
@@ -11,7 +11,7 @@ from pydantic import Field
 from server.errors import APIError
 from server.generation.sse import SSEResponse
 from server.schema import StrictModel
-from server.streams.sessions import OffsetLost, StreamSession, StreamSessions
+from server.streams.kept import KeptStream, KeptStreams, OffsetLost
 
 router = APIRouter()
 
@@ -22,21 +22,21 @@ class LookupRequest(StrictModel):
 
 @router.get("/v1/stream", responses={200: {"content": {"text/event-stream": {"schema": {}}}}})
 async def replay(request: Request, conv_id: str = Query(""), offset: int = Query(0, ge=0, alias="from")) -> Response:
-    streams = sessions(request)
-    session = streams.get(_required(conv_id))
-    if session is None:
+    streams = kept_streams(request)
+    kept = streams.get(_required(conv_id))
+    if kept is None:
         raise APIError(404, f"no stream for conversation {conv_id!r}: it never streamed here, was stopped, or "
                        f"ended more than {streams.ttl_s:g} s ago", code="stream_not_found")
     try:
-        session.check_offset(offset)
+        kept.check_offset(offset)
     except OffsetLost as exc:
         raise APIError(400, str(exc), param="from") from exc
-    return SSEResponse(_bytes_from(session, offset), encode=lambda chunk: chunk)
+    return SSEResponse(_bytes_from(kept, offset), encode=lambda chunk: chunk)
 
 
-async def _bytes_from(session: StreamSession, offset: int):
+async def _bytes_from(kept: KeptStream, offset: int):
     try:
-        async for chunk in session.read(offset):
+        async for chunk in kept.read(offset):
             yield chunk
     except OffsetLost:  # this reader fell behind the buffer's cap: its stream ends here
         return
@@ -44,13 +44,13 @@ async def _bytes_from(session: StreamSession, offset: int):
 
 @router.delete("/v1/stream", status_code=204)
 async def stop(request: Request, conv_id: str = Query("")) -> Response:
-    sessions(request).stop(_required(conv_id))
+    kept_streams(request).stop(_required(conv_id))
     return Response(status_code=204)
 
 
 @router.post("/v1/streams/lookup")
 async def lookup(body: LookupRequest, request: Request) -> list[dict]:
-    return [s.describe() for s in sessions(request).lookup([c for c in body.conversation_ids if c])]
+    return [s.describe() for s in kept_streams(request).lookup([c for c in body.conversation_ids if c])]
 
 
 def _required(conv_id: str) -> str:
@@ -60,5 +60,5 @@ def _required(conv_id: str) -> str:
     return conv_id
 
 
-def sessions(request: Request) -> StreamSessions:
+def kept_streams(request: Request) -> KeptStreams:
     return request.app.state.streams

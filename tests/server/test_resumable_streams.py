@@ -2,8 +2,8 @@
 byte from any offset (`GET /v1/stream`), keeps generating when its client leaves (the replay then has the whole
 answer, equal to the engine's greedy output), is stopped by `DELETE /v1/stream` (the generation is cancelled
 and both its own stream and a replay end cleanly), and is found by `POST /v1/streams/lookup`; requests without
-the header or without `stream` are untouched. The session buffer's own rules (cap, offsets, expiry, one live
-session per id) are checked directly."""
+the header or without `stream` are untouched. The kept stream's own rules (cap, offsets, expiry, one live
+kept stream per id) are checked directly."""
 
 import asyncio
 import time
@@ -12,7 +12,7 @@ import httpx
 import pytest
 from http_support import Greedy, LiveServer, sse_events
 
-from server.streams.sessions import OffsetLost, StreamSessions
+from server.streams.kept import KeptStreams, OffsetLost
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +49,7 @@ def test_a_finished_stream_replays_byte_for_byte_then_a_stop_forgets_it(srv):
         assert c.get("/v1/stream").status_code == 400
 
 
-def test_requests_that_do_not_stream_keep_no_session(srv):
+def test_requests_that_do_not_stream_keep_no_kept_stream(srv):
     with srv.client() as c:
         r = c.post("/v1/chat/completions", json={**_chat(3), "stream": False}, headers={"X-Conversation-Id": "c2"})
         assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] is not None
@@ -104,9 +104,9 @@ def test_a_newer_stream_under_the_same_id_stops_the_older_one(srv):
         assert d.get("/v1/stream", params={"conv_id": "c6"}).content == newer.content
 
 
-def test_the_session_buffer_keeps_its_cap_its_offsets_and_its_expiry():
+def test_the_kept_stream_buffer_keeps_its_cap_its_offsets_and_its_expiry():
     async def run():
-        streams = StreamSessions(ttl_s=0.2, max_bytes=8)
+        streams = KeptStreams(ttl_s=0.2, max_bytes=8)
         first = streams.open("a")
         first.append(b"0123456789")  # over the cap: the oldest two bytes go
         assert first.dropped == 2 and first.total == 10

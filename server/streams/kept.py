@@ -1,9 +1,9 @@
 """The buffers of resumable streams (llama.cpp's `X-Conversation-Id`): the bytes of one SSE answer, kept while
 its generation runs and for `TTL_S` after it ends, readable from any offset by any number of readers.
 
-Guarantees: one conversation id has at most one live session (a new stream under the same id cancels the one
-before it); a session keeps at most `MAX_BYTES`, dropping its oldest bytes first (a reader asking for dropped
-bytes learns it: `OffsetLost`); a finished session is forgotten `TTL_S` seconds after it ended. Everything runs
+Guarantees: one conversation id has at most one live kept stream (a new stream under the same id cancels the one
+before it); a kept stream keeps at most `MAX_BYTES`, dropping its oldest bytes first (a reader asking for dropped
+bytes learns it: `OffsetLost`); a finished kept stream is forgotten `TTL_S` seconds after it ended. Everything runs
 on the event loop: no locks, a reader waits on an event the writer sets.
 """
 
@@ -17,11 +17,11 @@ MAX_BYTES = 4 * 1024 * 1024  # llama-server's cap on one stream's buffer
 
 
 class OffsetLost(Exception):
-    """The reader's offset is before the oldest byte the session still holds."""
+    """The reader's offset is before the oldest byte the kept stream still holds."""
 
 
 @dataclass
-class StreamSession:
+class KeptStream:
     """One conversation's stream: `append` while it runs, `finish` when it ends (or is stopped), `read` from an
     offset (replays what is buffered, then follows the live bytes until the end)."""
 
@@ -40,7 +40,7 @@ class StreamSession:
 
     @property
     def total(self) -> int:
-        """Bytes that ever entered the session."""
+        """Bytes that ever entered the kept stream."""
         return self.dropped + len(self._buffer)
 
     def append(self, data: bytes) -> None:
@@ -59,7 +59,7 @@ class StreamSession:
             self._notify()
 
     def stop(self) -> None:
-        """Cancel the producer (its request sees its client leave) and end the session for its readers."""
+        """Cancel the producer (its request sees its client leave) and end the kept stream for its readers."""
         self.cancelled.set()
         self.finish()
 
@@ -69,7 +69,7 @@ class StreamSession:
                              f"from offset {self.dropped}; restart the request")
 
     async def read(self, offset: int) -> AsyncIterator[bytes]:
-        """The bytes from `offset` on: what is buffered, then each new piece, until the session ends."""
+        """The bytes from `offset` on: what is buffered, then each new piece, until the kept stream ends."""
         while True:
             self.check_offset(offset)
             wake = self._wake
@@ -92,48 +92,48 @@ class StreamSession:
                 "started_at": int(self.started), "completed_at": int(self.completed)}
 
 
-class StreamSessions:
+class KeptStreams:
     """Conversation id -> its live or recently finished stream."""
 
     def __init__(self, ttl_s: float = TTL_S, max_bytes: int = MAX_BYTES):
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes
-        self._sessions: dict[str, StreamSession] = {}
+        self._kept: dict[str, KeptStream] = {}
 
-    def open(self, conversation_id: str) -> StreamSession:
-        """A new session for `conversation_id`; the one it replaces (if any) is stopped."""
+    def open(self, conversation_id: str) -> KeptStream:
+        """A new kept stream for `conversation_id`; the one it replaces (if any) is stopped."""
         self._expire()
-        previous = self._sessions.get(conversation_id)
-        session = self._sessions[conversation_id] = StreamSession(conversation_id, self.max_bytes)
+        previous = self._kept.get(conversation_id)
+        kept = self._kept[conversation_id] = KeptStream(conversation_id, self.max_bytes)
         if previous is not None:
             previous.stop()
-        return session
+        return kept
 
-    def get(self, conversation_id: str) -> StreamSession | None:
+    def get(self, conversation_id: str) -> KeptStream | None:
         self._expire()
-        return self._sessions.get(conversation_id)
+        return self._kept.get(conversation_id)
 
-    def drop(self, session: StreamSession) -> None:
-        """Forget `session` (a request that did not stream: nothing to replay), if it is still the current one."""
-        if self._sessions.get(session.conversation_id) is session:
-            del self._sessions[session.conversation_id]
-        session.finish()
+    def drop(self, kept: KeptStream) -> None:
+        """Forget `kept` (a request that did not stream: nothing to replay), if it is still the current one."""
+        if self._kept.get(kept.conversation_id) is kept:
+            del self._kept[kept.conversation_id]
+        kept.finish()
 
     def stop(self, conversation_id: str) -> bool:
         """The user's stop: cancel the conversation's stream and forget it; False if there was none."""
-        session = self._sessions.pop(conversation_id, None)
-        if session is not None:
-            session.stop()
-        return session is not None
+        kept = self._kept.pop(conversation_id, None)
+        if kept is not None:
+            kept.stop()
+        return kept is not None
 
-    def lookup(self, conversation_ids: list[str]) -> list[StreamSession]:
-        """The sessions of the ids asked for (each id also matches `<id>::<model>`, llama-server's router keys);
+    def lookup(self, conversation_ids: list[str]) -> list[KeptStream]:
+        """The kept streams of the ids asked for (each id also matches `<id>::<model>`, llama-server's router keys);
         never the ids nobody asked about, so a caller cannot list others' conversations."""
         self._expire()
-        return [s for cid in conversation_ids for key, s in self._sessions.items()
+        return [s for cid in conversation_ids for key, s in self._kept.items()
                 if key == cid or key.startswith(cid + "::")]
 
     def _expire(self) -> None:
         cutoff = time.time() - self.ttl_s
-        for key in [k for k, s in self._sessions.items() if s.done and s.completed <= cutoff]:
-            del self._sessions[key]
+        for key in [k for k, s in self._kept.items() if s.done and s.completed <= cutoff]:
+            del self._kept[key]

@@ -102,7 +102,7 @@ class Edge:
         if method == "POST" and path in PROMPT_PATHS:
             body = await read_body(receive)
             previous = routed_id(path, body) if path == "/v1/responses" else None
-            if previous is not None and parse_id(previous) not in (None, self.replica.uid):
+            if previous is not None and not await self.replica.holds(previous):  # the proxy had no hints
                 return await self.hand_on(scope, receive, send, body, None)
             self.replica.note_prompt(path, body)
             return await self.app(scope, replay(body, receive), named)

@@ -9,6 +9,8 @@ a cluster started with `ray start` needs it in that command's environment (READM
 
 from starlette.middleware import Middleware
 
+from server.ray_serve.proxy_routing import RoutingHints
+
 REQUEST_ID = b"x-request-id"
 
 
@@ -32,4 +34,5 @@ class KeepAppRequestId:
 
 
 def middlewares() -> list[Middleware]:
-    return [Middleware(KeepAppRequestId)]
+    """Every middleware of cellserve's for Serve's proxy (this one, and `proxy_routing.RoutingHints`)."""
+    return [Middleware(KeepAppRequestId), Middleware(RoutingHints)]

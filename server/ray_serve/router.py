@@ -6,16 +6,20 @@ reported routing stats (`Engine.record_routing_stats`: `load`, `prefixes`, `held
 so there is no poll loop of ours. It subclasses Serve's public `RequestRouter` without `FIFOMixin`: a
 replica found for a request is given to that request (affinity must not be handed to another).
 
-What a request shows the router: through the proxy, the pickled ASGI scope (method, path, headers: not
-the body, which the replica reads from the proxy later); through a handle call of `Engine.forward`, every
-argument, body included, and the `replica` the caller names (moves, aggregated routes; `Engine.info` too).
+What a request shows the router (`View`): through the proxy, the pickled ASGI scope (method, path, headers:
+not the body, which the replica reads from the proxy later), with the prefix keys and `previous_response_id`
+that `proxy_routing.RoutingHints` put in its headers from the body; through a handle call of
+`Engine.forward`, every argument, body included, and the `replica` the caller names (moves, aggregated routes;
+`Engine.info` too).
 """
 
 import pickle
 import random
+from dataclasses import dataclass, field
 
 from ray.serve.request_router import PendingRequest, RequestRouter, RunningReplica
 
+from server.ray_serve.proxy_routing import header_hints
 from server.ray_serve.routing import (
     PREFIX_SLACK,
     RecentPrefixes,
@@ -26,20 +30,36 @@ from server.ray_serve.routing import (
 )
 
 
-def request_view(request: PendingRequest) -> tuple[str, bytes, str | None, str | None]:
-    """(path, body, named replica, replica to avoid) of a request; body is b"" when the router cannot see it."""
+@dataclass
+class View:
+    """What the router knows of one request."""
+
+    path: str = ""
+    body: bytes = b""  # b"": the router cannot see it
+    named: str | None = None  # the replica the caller names
+    avoid: str | None = None  # a replica not to choose (a hand-off's source)
+    keys: list[str] = field(default_factory=list)  # prompt prefix keys, shortest first
+    some_id: str | None = None  # the sequence/response the request is about
+
+
+def request_view(request: PendingRequest) -> View:
     args, kwargs = request.args, request.kwargs
     if request.metadata.call_method == "forward" and len(args) >= 5:
-        return args[1], args[4], kwargs.get("replica"), kwargs.get("avoid")
+        path, body = args[1], args[4]
+        text = prompt_text(path, body) if body else None
+        return View(path, body, kwargs.get("replica"), kwargs.get("avoid"),
+                    RecentPrefixes.keys(text) if text is not None else [], routed_id(path, body))
     if request.metadata.call_method == "info":
-        return "", b"", kwargs.get("replica"), None
+        return View(named=kwargs.get("replica"))
     if args and isinstance(args[0], bytes):  # Serve's proxy: a pickled StreamingHTTPRequest
         try:
             scope = pickle.loads(args[0]).asgi_scope
         except Exception:  # noqa: BLE001 -- not an HTTP request: route it by load
-            return "", b"", None, None
-        return scope.get("path", ""), b"", None, None
-    return "", b"", None, None
+            return View()
+        path = scope.get("path", "")
+        keys, previous = header_hints(scope.get("headers", []))
+        return View(path, keys=keys, some_id=routed_id(path) or previous)
+    return View()
 
 
 class CellserveRouter(RequestRouter):
@@ -74,24 +94,22 @@ class CellserveRouter(RequestRouter):
                               pending_request: PendingRequest | None = None) -> list[list[RunningReplica]]:
         if not candidate_replicas:
             return []
-        path, body, named, avoid = request_view(pending_request) if pending_request is not None else ("", b"",
-                                                                                                        None, None)
+        view = request_view(pending_request) if pending_request is not None else View()
         if pending_request is not None:
             pending_request.routing_context.should_backoff = True  # a full or missing choice: back off, retry
         by_uid = {r.replica_id.unique_id: r for r in candidate_replicas}
-        if named is not None and named in by_uid:
-            return [[by_uid[named]]]
-        some_id = routed_id(path, body) if named is None else None
+        if view.named is not None and view.named in by_uid:
+            return [[by_uid[view.named]]]
+        some_id = view.some_id if view.named is None else None
         if some_id is not None and (held := self.holder(some_id, by_uid)) is not None:
             return [[held]]
         # stateless, or an id no live replica holds (any replica answers that one 404, saying why)
-        rest = [r for r in candidate_replicas if r.replica_id.unique_id != avoid] or candidate_replicas
+        rest = [r for r in candidate_replicas if r.replica_id.unique_id != view.avoid] or candidate_replicas
         random.shuffle(rest)  # equal loads: spread, don't always pick the first
         rest.sort(key=lambda r: self.stats(r).get("load", 0))
-        text = prompt_text(path, body) if body else None
-        if text is not None:
+        if view.keys:
             reported = {r.replica_id.unique_id: set(self.stats(r).get("prefixes", ())) for r in rest}
-            hit = longest_match(RecentPrefixes.keys(text), reported)
+            hit = longest_match(view.keys, reported)
             if hit is not None:
                 least = self.stats(rest[0]).get("load", 0)
                 if self.stats(by_uid[hit]).get("load", 0) <= least + PREFIX_SLACK:

@@ -19,19 +19,15 @@ import subprocess
 import sys
 import threading
 import time
-from types import SimpleNamespace
 
 import httpx
 import pytest
 import ray.serve  # noqa: F401  (the ray extra: make installs it; no skip)
-from ray.serve._private.common import RequestMetadata
-from ray.serve.request_router import PendingRequest
 from ray_support import serving
 from tiny_models import save_tiny_model_dir
 
-from server.ray_serve.moves import family_of, roots
-from server.ray_serve.router import CellserveRouter
-from server.ray_serve.routing import RecentPrefixes, merge_metrics, parse_id, parse_replicas, routed_id
+from server.ray_serve.replica import STATS_PERIOD_S
+from server.ray_serve.routing import parse_id
 
 LONG = 4000  # tokens: far more ticks than any mid-stream action needs
 TREES = 20  # fork trees in the affinity test (x 20 operations each)
@@ -169,9 +165,9 @@ def test_fork_trees_stay_on_their_replica_and_are_not_recomputed(url):
 
 
 def test_stored_responses_are_continued_on_their_replica(url):
-    """A stored response is a sequence on one replica: continuing it (`previous_response_id`, in the body the
-    proxy does not show the router: the replica it lands on hands it on), reading it and its input items go
-    there, whichever replica the first turn landed on."""
+    """A stored response is a sequence on one replica: continuing it (`previous_response_id`, in the body:
+    the proxy's `RoutingHints` show it to the router), reading it and its input items go there, whichever
+    replica the first turn landed on."""
     with client(url) as c:
         for k in range(6):
             first = c.post("/v1/responses", json={"input": f"story {k}:", "max_output_tokens": 2})
@@ -217,40 +213,34 @@ def test_client_going_away_cancels_on_the_replica(url):
     assert running == 0
 
 
-def test_prefix_routing_prefers_the_replica_that_reported_the_prompt():
-    """The router (run here on stand-in replicas carrying the stats Serve would give it): an id goes to the
-    replica that made it or reports holding it; a prompt whose prefix a replica reports goes there unless it
-    is `PREFIX_SLACK` busier; otherwise every replica, least reported load first."""
-    router = object.__new__(CellserveRouter)  # choose_replicas needs no router state
-    system = "You are a terse assistant who answers in one line. " * 8
-    held = RecentPrefixes()
-    held.record(system + "first question")
+def prefix_hits(c: httpx.Client) -> dict[str, float]:
+    """Prompt tokens served from each replica's prefix cache (the aggregated /metrics)."""
+    out = {}
+    for line in c.get("/metrics").text.splitlines():
+        if line.startswith("cellserve:prefix_cache_hits_total{"):
+            out[line.split('replica="', 1)[1].split('"', 1)[0]] = float(line.rsplit(" ", 1)[1])
+    return out
 
-    def replica(uid: str, **stats) -> SimpleNamespace:
-        return SimpleNamespace(replica_id=SimpleNamespace(unique_id=uid), routing_stats=stats)
 
-    def choose(candidates, path: str, body: bytes = b"", **kw) -> list[list[str]]:
-        async def go():
-            pending = PendingRequest(args=["POST", path, b"", [], body], kwargs=kw, metadata=RequestMetadata(
-                request_id="x", internal_request_id="y", call_method="forward"))
-            return await CellserveRouter.choose_replicas(router, candidates, pending)
-
-        return [[r.replica_id.unique_id for r in rank] for rank in asyncio.run(go())]
-
-    a, b = replica("aaaaaaaa", load=0, prefixes=held.report()), replica("bbbbbbbb", load=0, prefixes=[])
-    c = replica("cccccccc", load=0, prefixes=[], held=["seq-rdeadbeef-" + "1" * 32])
-    body = json.dumps({"prompt": system + "another question", "max_tokens": 2}).encode()
-    assert choose([b, a, c], "/v1/completions", body)[0] == ["aaaaaaaa"]
-    unheld = choose([b, c], "/v1/completions", body)
-    assert len(unheld) == 1 and sorted(unheld[0]) == ["bbbbbbbb", "cccccccc"]
-    busy = replica("aaaaaaaa", load=9, prefixes=held.report())
-    assert "aaaaaaaa" not in choose([busy, b], "/v1/completions", body)[0][:1]
-    assert choose([a, b, c], f"/v1/sequences/seq-rbbbbbbbb-{'2' * 32}/completions") == [["bbbbbbbb"]]
-    assert choose([a, b, c], f"/v1/sequences/seq-rdeadbeef-{'1' * 32}") == [["cccccccc"]]  # moved there
-    assert choose([a, b, c], "/v1/models", replica="cccccccc") == [["cccccccc"]]
-    assert "aaaaaaaa" not in choose([a, b], "/v1/sequences/import", avoid="aaaaaaaa")[0]
-    loaded = replica("bbbbbbbb", load=5)
-    assert choose([loaded, a], "/v1/models")[0] == ["aaaaaaaa", "bbbbbbbb"]
+def test_a_shared_prefix_goes_to_the_replica_that_cached_it(url):
+    """Stateless requests through Serve's proxy whose prompts share a long prefix all land on the replica that
+    served it first (by load alone each would be a coin toss): its prefix-cache hits grow, the other's do not.
+    The proxy reads the prefix from the body (`RoutingHints`); the replicas report what they served."""
+    shared = "You are a careful assistant who answers in the voice of a ship's log, briefly. " * 16
+    with client(url) as c:
+        first = c.post("/v1/completions", json={"prompt": shared + "Day 0.", "max_tokens": 2, "temperature": 0})
+        assert first.status_code == 200, first.text
+        holder = first.headers["x-cellserve-replica"]
+        time.sleep(3 * STATS_PERIOD_S)  # the holder's next routing-stats report reaches every router
+        before = prefix_hits(c)
+        for k in range(1, 7):
+            r = c.post("/v1/completions", json={"prompt": shared + f"Day {k}.", "max_tokens": 2, "temperature": 0})
+            assert r.status_code == 200 and r.headers["x-cellserve-replica"] == holder, (k, r.text)
+            assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        after = prefix_hits(c)
+        assert set(after) == set(replicas(c))
+    assert after[holder] > before.get(holder, 0)
+    assert all(after[n] == before.get(n, 0) for n in after if n != holder), (holder, before, after)
 
 
 def test_killed_replica_fails_fast_restarts_and_says_so(url):
@@ -314,26 +304,6 @@ def test_killed_replica_fails_fast_restarts_and_says_so(url):
 def test_single_server_does_not_import_ray():
     code = "import sys, server.cli, server.app; sys.exit('ray' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
-
-
-def test_routing_helpers():
-    assert routed_id("/v1/sequences/seq-x/fork") == "seq-x" and routed_id("/v1/requests/cmpl-y/cancel") == "cmpl-y"
-    assert routed_id("/v1/sequences") is None and parse_id("seq-" + "a" * 32) is None
-    assert routed_id("/v1/responses/resp-r1-x/input_items") == "resp-r1-x"
-    assert routed_id("/v1/responses", b'{"input": "hi", "previous_response_id": "resp-r2-y"}') == "resp-r2-y"
-    assert routed_id("/v1/responses", b'{"input": "hi"}') is None
-    assert routed_id("/v1/responses", b'{"previous_response_id": 5}') is None
-    assert routed_id("/v1/responses", b'[not json "previous_response_id"') is None
-    assert parse_id("seq-rab12cd34-" + "a" * 32) == "ab12cd34" and parse_id("resp_rAB12cd34-" + "f" * 32) == "AB12cd34"
-    assert parse_replicas("3") == 3 and parse_replicas("auto:1-3") == (1, 3)
-    for bad in ("0", "auto:3-1", "auto:1", "x"):
-        with pytest.raises(ValueError, match="auto:MIN-MAX"):
-            parse_replicas(bad)
-    text = {"r0": '# HELP x_total X.\n# TYPE x_total counter\nx_total{k="a"} 1.0\n# TYPE y gauge\ny 2.0\n',
-            "r1": '# HELP x_total X.\n# TYPE x_total counter\nx_total{k="a"} 3.0\n# TYPE y gauge\ny 4.0\n'}
-    assert merge_metrics(text).splitlines() == [
-        "# HELP x_total X.", "# TYPE x_total counter", 'x_total{replica="r0",k="a"} 1.0',
-        'x_total{replica="r1",k="a"} 3.0', "# TYPE y gauge", 'y{replica="r0"} 2.0', 'y{replica="r1"} 4.0']
 
 
 GREEDY = {"temperature": 0, "max_tokens": 4}
@@ -410,10 +380,3 @@ def test_drain_moves_every_family_off_a_replica(url):
         assert {s["id"] for s in listed} >= set(body["ids"].values())
         assert c.post("/v1/replicas/nosuchre/drain").status_code == 400
         assert c.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}).status_code == 200
-
-
-def test_move_helpers():
-    listed = [{"id": "a", "parent": None, "created": 1}, {"id": "b", "parent": "a", "created": 2},
-              {"id": "c", "parent": "b", "created": 3}, {"id": "d", "parent": None, "created": 0}]
-    assert {s["id"] for s in family_of("c", listed)} == {"a", "b", "c"}
-    assert roots(listed) == ["d", "a"]

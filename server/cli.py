@@ -150,8 +150,7 @@ def serve_parser(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "one-time costs)")
     p.add_argument("--state-dir", default=None,
                    help="keep persistent sequences (tokens, and idle ones' KV cells) in this folder and restore them "
-                        "on start; default: memory only. With --replicas each replica takes a folder of its own "
-                        "under it (replica-K), which a replica started in place of a dead one restores")
+                        "on start; default: memory only")
     p.add_argument("--state-max-bytes", type=parse_size, default=None,
                    help="cap on the state dir's cell files, e.g. 20GiB: least recently used fork families drop "
                         "their cells (tokens kept, recomputed when used)")
@@ -316,6 +315,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.replicas is not None and (args.cors_origins or args.ssl_certfile):
         parser.error("--cors-origins and --ssl-* apply to the single server; with --replicas put a TLS/CORS "
                      "proxy in front of Ray Serve's endpoint")
+    if args.replicas is not None and args.state_dir is not None:
+        parser.error("--state-dir does not work with --replicas yet (replicas would share one folder); use one")
     if args.replicas is not None:  # Ray is imported only here (an optional extra)
         from server.ray_serve.launch import run_replicated
 

@@ -12,9 +12,7 @@ Guarantees:
 - before Serve removes a replica (scale-down), its idle fork families move to the other replicas with their
   cells, keeping their ids (`hand_off`; the target's cached prefixes are cleared first: an import only takes
   free cells); at a whole-application shutdown (`cluster.stop`) nothing moves;
-- `check_health` fails when the engine loop died, so Serve replaces the replica;
-- with `--state-dir` each replica keeps its sequences in a slot folder of its own (`state_slots`): a replica
-  started in place of a dead one takes its slot and restores its sequences, ids kept, and reports them `held`.
+- `check_health` fails when the engine loop died, so Serve replaces the replica.
 """
 
 import argparse
@@ -28,7 +26,6 @@ from ray import serve
 
 from engine.api.ids import set_tag
 from server.errors import error_body
-from server.ray_serve import state_slots
 from server.ray_serve.edge import Edge, gone_body, replay
 from server.ray_serve.routing import RecentPrefixes, parse_id, prompt_text, replica_tag, routed_id
 
@@ -51,16 +48,12 @@ class Engine:
         self.uid = serve.get_replica_context().replica_id.unique_id
         self.cluster, self.engine_name, self.app_name = cluster, engine_name, app_name
         self.prefixes = RecentPrefixes()
+        self.imported = False
         self.stopping = False  # set when Serve stops this replica: it takes no more families
-        self.slot = state_slots.claim(args.state_dir) if args.state_dir is not None else None
-        if self.slot is not None:  # this replica's own folder; what a dead replica left there comes back
-            args = argparse.Namespace(**{**vars(args), "state_dir": str(self.slot.folder)})
-        self.imported = self.slot is not None  # whether it may hold ids another replica made (restored, moved)
         set_tag(replica_tag(self.uid))
         engine = await asyncio.to_thread(engine_factory(args))  # the model loads before Serve routes here
         self.server_app = build_app(engine, served_model_name=args.served_model_name, api_key=args.api_key,
-                                    shutdown_grace_s=args.shutdown_grace, limits=limits_of(args), ui=not args.no_ui,
-                                    state_dir=args.state_dir)
+                             shutdown_grace_s=args.shutdown_grace, limits=limits_of(args), ui=not args.no_ui)
         self.ctx = self.server_app.state.ctx
         await self._cluster_call("register", self.uid)
         log.info("replica %s (pid %d) ready", self.uid, os.getpid())
@@ -193,8 +186,6 @@ class Engine:
         await self.hand_off()
         await self._cluster_call("unregister", self.uid)
         await self.ctx.shutdown()
-        if self.slot is not None:  # after the engine's last write: the next replica may take the folder
-            self.slot.release()
 
 
 def _node_id() -> str:

@@ -45,8 +45,21 @@ class Timing:
     """Wall-clock instants (time.monotonic()) of the request's life."""
 
     queued: float = 0.0
+    prompt_started: float | None = None  # first scheduled: its prompt was looked up in the prefix cache
     first_token: float | None = None
     finished: float | None = None
+
+
+@dataclass(frozen=True)
+class PromptProgress:
+    """How far a request's prompt is prefilled, as of one engine step (`SamplingParams.report_progress`):
+    `total` prompt tokens, `cached` of them found in the prefix cache at admission, `processed` that have cells
+    now (the cached ones included), at the instant `at` (time.monotonic()) the step's forward had run."""
+
+    total: int
+    cached: int
+    processed: int
+    at: float
 
 
 @dataclass
@@ -63,6 +76,7 @@ class RequestOutput:
     accepted_draft_tokens: int = 0
     rejected_draft_tokens: int = 0
     embedding: list[float] | None = None  # an embedding request's unit vector, on its last output
+    prompt_progress: PromptProgress | None = None  # on the outputs a prompt chunk made, when asked for
 
 
 @dataclass

@@ -146,6 +146,7 @@ class SamplingParams:
     priority: int = 0
     skip_special_tokens: bool = True  # the detokenizer leaves special tokens' text out (vLLM's default)
     prediction_ids: list[int] = field(default_factory=list)
+    report_progress: bool = False  # an output with `prompt_progress` at admission and after each prompt chunk
     lora: LoraRef | None = None  # the LoRA adapter the request runs under (None: the base model; engine/api/lora.py)
 
     def __post_init__(self):

@@ -233,6 +233,7 @@ class Engine(SequenceVerbs, EngineReports):
         """Apply a forward's output: cached counts, prompt logprobs, sampled and verified tokens (finishes
         included), drafted cells kept or dropped; then each request's delta of the tick."""
         self.scheduler.advance(plan.chunks)
+        self.outputs.progress(plan.chunks, outputs)
         if plan.prompt_rows:  # echo, lm-eval
             self._take_prompt_logprobs(plan.chunks, plan.prompt_rows, result.prompt, outputs)
         if plan.pooling:  # embeddings: their rows' hidden states pooled; a complete one ends with its vector

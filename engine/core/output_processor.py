@@ -14,7 +14,7 @@ import logging
 import time
 from collections import abc
 
-from engine.api.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from engine.api.outputs import CompletionOutput, PromptProgress, RequestOutput, TokenLogprob
 from engine.api.sampling_params import SamplingParams
 from engine.core.detokenizer import choice_text
 from engine.core.plan import Chunk, SchedulerOutput
@@ -95,14 +95,28 @@ class OutputProcessor:
         """A plan was made: each request's `cached_tokens` (OpenAI's usage field) is its prompt tokens found in
         the cache at its first admission (re-admissions after a preemption do not count again), and prefill-only
         requests done without a forward end. Returns the outputs this made."""
+        outputs: list[RequestOutput] = []
         for seq, shared in plan.cached:
             req = seq.request
             if req is not None and seq.choice.index == 0 and req.metrics.cached_tokens is None:
                 history = len(seq.token_ids) - len(req.prompt_ids)
                 req.metrics.cached_tokens = max(0, shared - history)
-        outputs: list[RequestOutput] = []
+                req.metrics.timing.prompt_started = time.monotonic()
+                if req.params.report_progress:  # nothing prefilled yet: what the cache held
+                    outputs.append(self.emit(req, {}, progress=req.metrics.cached_tokens))
         self.finish_prefills(outputs)
         return outputs
+
+    def progress(self, chunks: list[Chunk], outputs: list[RequestOutput]) -> None:
+        """A forward ran `chunks`: each request that asked (`report_progress`) and was still prefilling its prompt
+        gets an output saying how many prompt tokens have cells now (before the token its last chunk samples)."""
+        for c in chunks:
+            choice = c.seq.choice
+            if choice is None or choice.index or choice.num_generated or not choice.request.params.report_progress:
+                continue
+            req = choice.request
+            done = c.seq.n_cached - choice.gen_start + len(req.prompt_ids)
+            outputs.append(self.emit(req, {}, progress=min(max(done, 0), len(req.prompt_ids))))
 
     def finish(self, choice: Choice, reason: str, error: str | None = None) -> None:
         """End one choice: it keeps its reason, and the scheduler takes its sequence (no choice runs on it)."""
@@ -110,10 +124,11 @@ class OutputProcessor:
         choice.grammar = None
         self.scheduler.finish(choice.seq, reason)
 
-    def emit(self, req: Request, choices: dict[int, CompletionOutput], embedding: list[float] | None = None
-             ) -> RequestOutput:
+    def emit(self, req: Request, choices: dict[int, CompletionOutput], embedding: list[float] | None = None,
+             progress: int | None = None) -> RequestOutput:
         """Send `req` this tick's delta: the new tokens of `choices`, plus a finish for every choice that
-        ended without a token (cancel, error) and was not reported yet (`embedding`: an embedding's vector)."""
+        ended without a token (cancel, error) and was not reported yet (`embedding`: an embedding's vector;
+        `progress`: its prompt tokens with cells now, sent as `prompt_progress`)."""
         for ch in req.choices:
             if ch.index not in choices and not ch.live and ch.index not in req.reported:
                 choices[ch.index] = CompletionOutput(ch.index, finish_reason=ch.finish_reason, error=ch.error)
@@ -134,6 +149,8 @@ class OutputProcessor:
                             finished, seq_id, m.timing, m.cached_tokens or 0, prompt_logprobs=plp,
                             accepted_draft_tokens=m.accepted_draft_tokens,
                             rejected_draft_tokens=m.rejected_draft_tokens, embedding=embedding)
+        if progress is not None:
+            out.prompt_progress = PromptProgress(len(req.prompt_ids), m.cached_tokens or 0, progress, time.monotonic())
         req.emit(out)
         return out
 

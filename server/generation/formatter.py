@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 from engine.api.outputs import CompletionOutput, RequestOutput, TokenLogprob
 from server.generation.run import GenerationRun
+from server.generation.telemetry import Telemetry
 
 TokenStr = Callable[[int], str]
 
@@ -167,6 +168,8 @@ class Formatter:
         self.vllm_k = vllm_prompt_logprobs
         self.include_stop_str = include_stop_str
         self.vllm_lps: dict[int, list] = {}  # prompt index -> vLLM-shaped prompt_logprobs
+        self.telemetry: Telemetry | None = None  # llama.cpp's timings/prompt_progress, when the request asked
+        self.progress: dict | None = None  # the `prompt_progress` the last output carried (telemetry on)
         self.states = {
             (k, i): ChoiceState(index=k * n + i, prompt_index=k, prefix=(prefixes or [""] * len(run.prompts))[k])
             for k in range(len(run.prompts)) for i in range(n)
@@ -198,6 +201,7 @@ class Formatter:
     def note(self, k: int, out: RequestOutput) -> None:
         """Per-request facts carried by every output (prompt tokens served from the prefix cache)."""
         self.cached[k] = out.cached_tokens
+        self.progress = self.telemetry.note(out) if self.telemetry is not None else None
         self.drafts[k] = (out.accepted_draft_tokens, out.rejected_draft_tokens)
         plp = out.prompt_logprobs
         if plp is not None:  # once per prompt
@@ -222,6 +226,11 @@ class Formatter:
 
     def opening_chunks(self) -> list[dict]:
         return []
+
+    def progress_chunk(self, progress: dict) -> dict:
+        """llama.cpp's `prompt_progress` event: a chunk with no choice (a delta would repeat the role, which
+        the `openai` SDK's stream accumulator concatenates), `timings` with `timings_per_token`."""
+        return self.telemetry.stamp({**self._chunk([]), "prompt_progress": progress})
 
     def delta_chunk(self, st: ChoiceState, co: CompletionOutput, first: bool) -> dict:
         lp = None

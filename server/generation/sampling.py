@@ -13,6 +13,7 @@ from engine.api.sampling_params import GuidedDecoding, SamplingParams
 from server.errors import APIError
 from server.generation.fields import SamplingFields
 from server.generation.lora import lora_ref
+from server.generation.telemetry import TelemetryFields
 from server.state import ServerContext
 
 COMPLETION_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions (chat: the context that is left)
@@ -36,7 +37,8 @@ def sampling_params(fields: SamplingFields, *, max_tokens: int, logprobs: int | 
                               "skip_special_tokens": fields.skip_special_tokens,
                               "prediction_ids": prediction_ids or [],
                               "eos_token_ids": (eos_token_ids or []) if fields.min_tokens else [],
-                              "lora": lora_ref(fields.model, fields.lora)}
+                              "lora": lora_ref(fields.model, fields.lora),
+                              "report_progress": isinstance(fields, TelemetryFields) and fields.wants_progress()}
     for name in PASSTHROUGH:
         value = getattr(fields, name)
         if value is not None:

@@ -41,7 +41,8 @@ async def serve(request: Request, ctx: ServerContext, run: GenerationRun, fmt: F
     failed = [s for s in fmt.states.values() if s.finish_reason == "error"]
     if failed:
         raise APIError(500, f"generation failed: {failed[0].error or 'engine error'}", code="engine_error")
-    return JSONResponse(fmt.final(), headers=headers)
+    body = fmt.final()
+    return JSONResponse(fmt.telemetry.stamp(body, final=True) if fmt.telemetry else body, headers=headers)
 
 
 async def _stream(ctx: ServerContext, run: GenerationRun, fmt: Formatter) -> AsyncIterator:
@@ -50,8 +51,11 @@ async def _stream(ctx: ServerContext, run: GenerationRun, fmt: Formatter) -> Asy
             for c in fmt.opening_chunks():
                 yield c
             started: set[tuple[int, int]] = set()
+            tel = fmt.telemetry
             async for k, out in events:
                 fmt.note(k, out)
+                if fmt.progress is not None:
+                    yield fmt.progress_chunk(fmt.progress)
                 for co in out.outputs:
                     first = (k, co.index) not in started
                     started.add((k, co.index))
@@ -63,10 +67,11 @@ async def _stream(ctx: ServerContext, run: GenerationRun, fmt: Formatter) -> Asy
                     if co.text or co.token_ids or co.finish_reason or (first and st.prefix):
                         delta = fmt.delta_chunk(st, co, first)
                         if delta is not None:
-                            yield delta
+                            last = co.finish_reason is not None and not fmt.include_usage
+                            yield tel.stamp(delta, final=last) if tel else delta
         if fmt.include_usage:
-            use = fmt.total_usage()
-            yield usage_chunk(fmt.chunk_object, run.request_id, fmt.created, fmt.model, use)
+            use = usage_chunk(fmt.chunk_object, run.request_id, fmt.created, fmt.model, fmt.total_usage())
+            yield tel.stamp(use, final=True) if tel else use
     except Exception as exc:  # any failure must reach the client as an error event
         err = as_api_error(exc)
         if err.status >= 500:

@@ -2,16 +2,16 @@
 counts, `timings`, `completion_probabilities`) and the streamed chunks (`{"content": ..., "stop": false}` per
 step, then the final object with `"stop": true`; no `[DONE]`, as llama-server's native stream).
 
-`Answer` accumulates one choice's engine outputs; it never touches the engine. Times come from the engine's
-`Timing` (first token, finish) against the instant the route started the request, so `prompt_ms` covers
-queueing and prefill (and, on a slot, rewinding its sequence), `predicted_ms` the rest.
+`Answer` accumulates one choice's engine outputs; it never touches the engine. `timings` and `prompt_progress`
+are llama.cpp's (server.generation.telemetry): from the engine's instants and counts, the prompt's time from
+its admission to its first token, the generation's from then on.
 """
 
-import time
 from dataclasses import dataclass, field
 from typing import Any
 
 from engine.api.outputs import CompletionOutput, RequestOutput, TokenLogprob
+from server.generation.telemetry import Telemetry
 
 
 @dataclass
@@ -23,26 +23,34 @@ class Answer:
     n_probs: int
     return_tokens: bool
     settings: dict[str, Any]
-    started: float = field(default_factory=time.monotonic)
+    telemetry: Telemetry
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     probs: list[dict] = field(default_factory=list)
     finish_reason: str | None = None
     stop_reason: str | int | None = None
     error: str | None = None
-    cached: int = 0
-    first_token: float | None = None
-    finished: float | None = None
 
-    def note(self, out: RequestOutput, token_str) -> dict | None:
-        """Take one engine output; the stream chunk it makes (None when it carries nothing new)."""
-        self.cached = max(self.cached, out.cached_tokens)
-        self.first_token = out.timing.first_token or self.first_token
-        self.finished = out.timing.finished or self.finished
-        chunk = None
+    def note(self, out: RequestOutput, token_str) -> list[dict]:
+        """Take one engine output; the stream chunks it makes (a `prompt_progress` one, then one with the new
+        text; none when it carries nothing new)."""
+        progress = self.telemetry.note(out)
+        chunks = []
+        if progress is not None:
+            chunks.append(self.telemetry.stamp({**self._chunk([]), "prompt_progress": progress}))
         for co in out.outputs:
             chunk = self._apply(co, token_str)
-        return chunk
+            if chunk is not None:
+                chunks.append(self.telemetry.stamp(chunk))
+        return chunks
+
+    @property
+    def cached(self) -> int:
+        return self.telemetry.cached
+
+    def _chunk(self, tokens: list[int]) -> dict:
+        return {"index": 0, "content": "", "tokens": tokens if self.return_tokens else [], "stop": False,
+                "id_slot": self.id_slot, "tokens_predicted": len(self.token_ids), "tokens_evaluated": self.prompt_len}
 
     def _apply(self, co: CompletionOutput, token_str) -> dict | None:
         self.text += co.text
@@ -53,9 +61,7 @@ class Answer:
             self.finish_reason, self.stop_reason, self.error = co.finish_reason, co.stop_reason, co.error
         if not (co.text or co.token_ids):
             return None
-        chunk = {"index": 0, "content": co.text, "tokens": list(co.token_ids) if self.return_tokens else [],
-                 "stop": False, "id_slot": self.id_slot, "tokens_predicted": len(self.token_ids),
-                 "tokens_evaluated": self.prompt_len}
+        chunk = {**self._chunk(list(co.token_ids)), "content": co.text}
         if self.n_probs:
             chunk["completion_probabilities"] = new_probs
         return chunk
@@ -83,18 +89,7 @@ class Answer:
         return out
 
     def timings(self) -> dict:
-        first = self.first_token or time.monotonic()
-        end = self.finished or time.monotonic()
-        prompt_n = max(self.prompt_len - self.cached, 0)
-        prompt_ms = max(first - self.started, 0.0) * 1e3
-        predicted_n = len(self.token_ids)
-        predicted_ms = max(end - first, 0.0) * 1e3
-        return {"cache_n": self.cached, "prompt_n": prompt_n, "prompt_ms": prompt_ms,
-                "prompt_per_token_ms": prompt_ms / prompt_n if prompt_n else 0.0,
-                "prompt_per_second": prompt_n / prompt_ms * 1e3 if prompt_ms else 0.0,
-                "predicted_n": predicted_n, "predicted_ms": predicted_ms,
-                "predicted_per_token_ms": predicted_ms / predicted_n if predicted_n else 0.0,
-                "predicted_per_second": predicted_n / predicted_ms * 1e3 if predicted_ms else 0.0}
+        return self.telemetry.timings()
 
 
 def probability(lp: TokenLogprob, token_str) -> dict:

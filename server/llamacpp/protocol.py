@@ -13,6 +13,7 @@ from typing import Any, ClassVar
 from pydantic import Field, field_validator, model_validator
 
 from server.generation.lora import LoraEntry, lora_ref
+from server.generation.telemetry import TelemetryFields
 from server.schema import ParamError, StrictModel
 
 # llama.cpp's default n_predict is -1 (until the context is full or EOS)
@@ -24,7 +25,7 @@ REFUSED: dict[str, tuple] = {"mirostat": (0,), "typical_p": (1, 1.0), "dry_multi
 FILENAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 
 
-class NativeSampling(StrictModel):
+class NativeSampling(TelemetryFields):
     """The sampling fields of llama.cpp's `/completion` and `/infill`."""
 
     refused: ClassVar[dict[str, tuple]] = REFUSED

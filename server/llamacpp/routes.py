@@ -19,6 +19,7 @@ from server.generation.formatter import SYSTEM_FINGERPRINT
 from server.generation.run import GenerationRun
 from server.generation.sampling import build_sampling_params
 from server.generation.sse import STREAMED_200, SSEResponse
+from server.generation.telemetry import Telemetry
 from server.llamacpp.answer import Answer
 from server.llamacpp.fim import fim_tokens, infill_ids
 from server.llamacpp.protocol import (
@@ -88,19 +89,19 @@ async def _generate(request: Request, ctx: ServerContext, body: NativeSampling, 
     if max_tokens < 0:
         max_tokens = engine.max_tokens_left(len(prompt))
     engine.check_fits([len(prompt)], max_tokens)
-    params = build_sampling_params({"max_tokens": max_tokens, **body.engine_fields(ctx.tokens.eos_ids())}, None)
-    answer = Answer(model=ctx.model_name, prompt_text=prompt_text, prompt_len=len(prompt), id_slot=body.id_slot,
-                    n_probs=body.n_probs, return_tokens=body.return_tokens, settings=_settings(ctx, body, max_tokens))
-    seq_id, ids = None, prompt
+    params = build_sampling_params({"max_tokens": max_tokens, "report_progress": body.wants_progress(),
+                                    **body.engine_fields(ctx.tokens.eos_ids())}, None)
+    seq_id, ids, kept = None, prompt, 0
     if body.id_slot >= 0:
         seq_id, ids, kept = await _slots(request).prepare(engine, body.id_slot, prompt, body.cache_prompt)
+    answer = Answer(model=ctx.model_name, prompt_text=prompt_text, prompt_len=len(prompt), id_slot=body.id_slot,
+                    n_probs=body.n_probs, return_tokens=body.return_tokens, settings=_settings(ctx, body, max_tokens),
+                    telemetry=Telemetry(len(prompt), per_token=body.timings_per_token, kept=kept))
     run = GenerationRun(engine, new_id("cmpl"), [ids], params, seq_id=seq_id, metrics=ctx.metrics)
     try:
         await await_or_disconnect(request, run.start(), run.close)
     except ClientGone:
         return Response(status_code=499)
-    if seq_id is not None:
-        answer.cached = kept
     ctx.register(run)
     headers = {"X-Request-Id": run.request_id}
     if body.stream:
@@ -126,11 +127,11 @@ async def _stream(ctx: ServerContext, run: GenerationRun, answer: Answer):
     """llama-server's native stream: a chunk per step, then the final object (`stop: true`); no [DONE]."""
     try:
         async for _, out in run.events():
-            chunk = answer.note(out, ctx.tokens.token_str)
+            chunks = answer.note(out, ctx.tokens.token_str)
             if answer.finish_reason == "error":
                 yield APIError(500, f"generation failed: {answer.error}", code="engine_error").body()
                 return
-            if chunk is not None:
+            for chunk in chunks:
                 yield chunk
         yield answer.final(streamed=True)
     except Exception as exc:  # noqa: BLE001 -- any failure reaches the client as an error event
@@ -146,7 +147,8 @@ def _settings(ctx: ServerContext, body: NativeSampling, max_tokens: int) -> dict
             "seed": body.seed, "stop": list(body.stop), "n_probs": body.n_probs, "repeat_penalty": body.repeat_penalty,
             "presence_penalty": body.presence_penalty, "frequency_penalty": body.frequency_penalty,
             "ignore_eos": body.ignore_eos, "logit_bias": body.settings_bias(ctx.tokens.eos_ids()),
-            "stream": body.stream, "cache_prompt": body.cache_prompt}
+            "stream": body.stream, "cache_prompt": body.cache_prompt,
+            "timings_per_token": body.timings_per_token, "return_progress": body.return_progress}
 
 
 @router.post("/apply-template")

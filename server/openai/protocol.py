@@ -15,6 +15,7 @@ from engine.api.sampling_params import MAX_LOGPROBS
 from server.generation.constraints import NamedToolChoice, Tool
 from server.generation.fields import CHAT_ONLY, COMPLETIONS_ONLY, UNSUPPORTED, SamplingFields
 from server.generation.messages import ChatMessage, is_token_list
+from server.generation.telemetry import TelemetryFields
 from server.schema import ParamError
 
 
@@ -35,7 +36,7 @@ def normalize_prompts(value: Any) -> list[str | list[int]]:
 
 
 
-class CompletionRequest(SamplingFields):
+class CompletionRequest(SamplingFields, TelemetryFields):
     unsupported: ClassVar[dict[str, tuple]] = {
         **{k: v for k, v in UNSUPPORTED.items() if k != "prompt_logprobs"}, **CHAT_ONLY}
 
@@ -68,7 +69,7 @@ class CompletionRequest(SamplingFields):
 
 
 
-class ChatCompletionRequest(SamplingFields):
+class ChatCompletionRequest(SamplingFields, TelemetryFields):
     unsupported: ClassVar[dict[str, tuple]] = {**UNSUPPORTED, **COMPLETIONS_ONLY}
 
     messages: list[ChatMessage] = Field(min_length=1)

@@ -16,6 +16,7 @@ from server.generation.run import GenerationRun
 from server.generation.sampling import COMPLETION_DEFAULT_MAX_TOKENS, sampling_params, token_rules, truncated
 from server.generation.serve import serve
 from server.generation.sse import STREAMED_200
+from server.generation.telemetry import Telemetry
 from server.generation.tools import call_grammar, format_for, generic_messages, template_tools
 from server.openai.chat import ChatFormatter, ToolSetup
 from server.openai.protocol import ChatCompletionRequest, CompletionRequest
@@ -42,6 +43,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
                     want_logprobs=body.logprobs is not None, include_usage=body.include_usage(),
                     prefixes=prefixes, vllm_prompt_logprobs=body.prompt_logprobs,
                     include_stop_str=body.include_stop_str_in_output)
+    fmt.telemetry = telemetry(body, prompts)
     return await serve(request, ctx, run, fmt, stream=body.stream)
 
 
@@ -70,6 +72,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                         want_logprobs=body.logprobs, include_usage=body.include_usage(), tools=setup,
                         parallel_tool_calls=body.parallel_tool_calls, reasoning=reasoning, reasoning_starts=starts,
                         include_stop_str=body.include_stop_str_in_output)
+    out.telemetry = telemetry(body, [prompt])
     return await serve(request, ctx, run, out, stream=body.stream)
 
 
@@ -81,6 +84,18 @@ async def chat_input_tokens(body: ChatCompletionRequest, request: Request) -> di
     ctx.require_engine()
     prompt, _, _ = await _chat_prompt(ctx, body)
     return {"object": "response.input_tokens", "input_tokens": len(prompt)}
+
+
+def telemetry(body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]]) -> Telemetry | None:
+    """llama.cpp's timings/progress for a request that asked; one prompt and one choice only (a 400 otherwise:
+    llama-server's requests have one, and per-choice telemetry has no shape)."""
+    if not body.wants_telemetry():
+        return None
+    if len(prompts) > 1 or body.n > 1:
+        field = "timings_per_token" if body.timings_per_token else "return_progress"
+        raise APIError(400, f"{field} is served for one prompt and n=1 (got {len(prompts)} prompts, n={body.n})",
+                       param=field)
+    return Telemetry(len(prompts[0]), per_token=body.timings_per_token)
 
 
 async def _chat_prompt(ctx: ServerContext, body: ChatCompletionRequest):

@@ -23,6 +23,7 @@ from pydantic import Field, field_validator, model_validator
 
 from engine.api.sampling_params import MAX_TEMPERATURE
 from server.generation.constraints import TOOL_NAME, Tool
+from server.generation.telemetry import TelemetryFields
 from server.generation.toolcalls import template_call
 from server.schema import ParamError, StrictModel
 
@@ -148,7 +149,7 @@ class TextConfig(StrictModel):
     format: TextFormat | None = None
 
 
-class ResponsesRequest(StrictModel):
+class ResponsesRequest(TelemetryFields):
     refused: ClassVar[dict[str, tuple]] = REFUSED
 
     @model_validator(mode="before")

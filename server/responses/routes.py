@@ -29,6 +29,7 @@ from server.generation.reply import Reply, reply_of
 from server.generation.run import GenerationRun
 from server.generation.sampling import build_sampling_params
 from server.generation.sse import STREAMED_200, NamedEventStream
+from server.generation.telemetry import Telemetry
 from server.generation.toolcalls import ToolPlan, chat_template_of
 from server.responses.items import item_dict, page
 from server.responses.protocol import ResponsesRequest
@@ -53,7 +54,7 @@ def store_of(request: Request) -> ResponseStore:
 
 
 def sampling(body: ResponsesRequest, max_tokens: int, guided: dict | None) -> SamplingParams:
-    kwargs = {"max_tokens": max_tokens, "lora": lora_ref(body.model)}
+    kwargs = {"max_tokens": max_tokens, "lora": lora_ref(body.model), "report_progress": body.wants_progress()}
     for name in ("temperature", "top_p", "top_k", "seed"):
         if getattr(body, name) is not None:
             kwargs[name] = getattr(body, name)
@@ -92,10 +93,11 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
         await settle(ctx, store, turn, None, run)
         return gone
     builder = ResponseBuilder(rid, body, model=ctx.model_name, max_output_tokens=max_tokens)
+    tel = Telemetry(len(turn.append), per_token=body.timings_per_token) if body.wants_telemetry() else None
     headers = {"X-Request-Id": rid}
     items = [item_dict(item) for item in body.input]
     if body.stream:
-        return NamedEventStream(_stream(ctx, store, run, turn, builder, reply, body.store, items), headers=headers,
+        return NamedEventStream(_stream(ctx, store, run, turn, builder, reply, body.store, items, tel), headers=headers,
                                 if_unstarted=lambda: _settle_later(ctx, store, run, turn, None))
     output = Output()
     try:
@@ -119,7 +121,10 @@ async def create_response(body: ResponsesRequest, request: Request) -> Response:
 
 async def _stream(ctx: ServerContext, store: ResponseStore, run: GenerationRun, turn: Turn,
                   builder: ResponseBuilder, reply: Reply, keep: bool,
-                  items: list[dict]) -> AsyncIterator[tuple[str, dict]]:
+                  items: list[dict], tel: Telemetry | None = None) -> AsyncIterator[tuple[str, dict]]:
+    """The Responses event stream; `tel`: llama.cpp's telemetry asked for (`prompt_progress` as
+    `response.in_progress` events, `timings` on the text deltas with `timings_per_token` and on
+    `response.completed`)."""
     output, parser = Output(), reply.stream()
     shown, thought = "", ""
     record = None
@@ -128,17 +133,24 @@ async def _stream(ctx: ServerContext, store: ResponseStore, run: GenerationRun, 
             for event in builder.opening():
                 yield event
             async for _, out in outs:
+                progress = tel.note(out) if tel is not None else None
+                if progress is not None:
+                    name, data = builder.event("response.in_progress", response=builder.response("in_progress"),
+                                               prompt_progress=progress)
+                    yield name, tel.stamp(data)
                 events = parser.feed(output.add(out), output.last_tokens, output.finish_reason is not None)
                 shown += "".join(e[1] for e in events if e[0] == "text")
                 thought += "".join(e[1] for e in events if e[0] == "reasoning")
                 for event in builder.streamed(events):
-                    yield event
+                    yield (event[0], tel.stamp(event[1])) if tel is not None else event
         use = usage(turn.input_tokens, turn.cached_tokens(output.cached_tokens), output.n_tokens,
                     parser.reasoning_tokens)
         events = builder.closing(output, use)
         said = {"role": "assistant", "content": shown, "reasoning_content": thought or None,
                 "tool_calls": parser.calls}
         record = _record(ctx, turn, run.request_id, output, said, events[-1][1]["response"], keep, items)
+        if tel is not None:
+            tel.stamp(events[-1][1], final=True)
         for event in events:
             yield event
     except Exception as exc:  # any failure reaches the client as an error event

@@ -23,7 +23,14 @@ from server.embeddings import routes as embedding_routes
 from server.errors import ERROR_RESPONSES, install_error_handlers, without_422
 from server.limits import Limits
 from server.llamacpp import routes as llamacpp_routes
-from server.middleware import BodySizeLimit, HeadAsGet, WithoutV1, cors_options, require_api_key
+from server.middleware import (
+    BodySizeLimit,
+    FormBodyAsJson,
+    HeadAsGet,
+    WithoutV1,
+    cors_options,
+    require_api_key,
+)
 from server.openai import routes as openai_routes
 from server.ops import routes as ops_routes
 from server.responses import routes as responses_routes
@@ -88,6 +95,7 @@ def build_app(engine: Union["EngineClient", EngineFactory], *, served_model_name
     app.include_router(anthropic_routes.router, dependencies=[Depends(require_key)], responses=ERROR_RESPONSES)
     _document_errors_only_as_sent(app)
     app.add_middleware(HeadAsGet)
+    app.add_middleware(FormBodyAsJson)  # `curl -d` without a Content-Type
     app.add_middleware(ResumableStreams, kept_streams=app.state.streams)  # inside the body limit: it reads bodies
     app.add_middleware(BodySizeLimit, limits=ctx.limits)
     app.add_middleware(AnthropicErrors)  # Anthropic's error shape on /v1/messages, 413 included

@@ -78,6 +78,26 @@ class HeadAsGet:
         await self.app(scope, receive, send)
 
 
+class FormBodyAsJson:
+    """ASGI middleware: a body sent as `application/x-www-form-urlencoded` (what `curl -d '{...}'` sends without
+    `-H 'Content-Type: application/json'`, as llama.cpp's and vLLM's examples are often typed) is read as JSON:
+    no route here takes a form, and llama-server reads every body as JSON whatever its type. A body that is not
+    JSON is then the usual 400 saying so."""
+
+    def __init__(self, app: ASGIApp):
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and any(k == b"content-type" and _is_form(v) for k, v in scope["headers"]):
+            headers = [(k, b"application/json" if k == b"content-type" else v) for k, v in scope["headers"]]
+            scope = {**scope, "headers": headers}
+        await self.app(scope, receive, send)
+
+
+def _is_form(content_type: bytes) -> bool:
+    return content_type.split(b";")[0].strip().lower() == b"application/x-www-form-urlencoded"
+
+
 class BodySizeLimit:
     """ASGI middleware: refuse request bodies over `limits.max_body_bytes` with 413, unread, and close the
     connection (`Connection: close`); the HTTP edge then reads and drops what the client still sends for

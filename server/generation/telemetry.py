@@ -62,7 +62,8 @@ class Telemetry:
             self.prompt_last = self.first_token
             self.processed = self.prompt_len
             self.n_gen += n
-            self.last_token = max(tm.finished or now, self.first_token)
+            # the latest token's instant: the finish, else its arrival (the first token: its own instant)
+            self.last_token = max(tm.finished or (now if self.n_gen > n else self.first_token), self.first_token)
         p = out.prompt_progress
         if p is None:
             return None

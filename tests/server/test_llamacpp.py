@@ -171,3 +171,13 @@ def test_infill_builds_the_fim_prompt_from_the_tokenizer(tmp_path):
     assert got["tokens"] == want.token_ids and got["content"] == want.text
     assert got["tokens_evaluated"] == len(ids) and got["prompt"] == tok.decode(ids)
     assert json.dumps(got["prompt"]).count("<fim_") == 3
+
+
+def test_curl_d_without_a_content_type_is_read_as_json(srv):
+    """`curl -d '{...}'` sends `application/x-www-form-urlencoded`: read as JSON, as llama-server does."""
+    form = {"Content-Type": "application/x-www-form-urlencoded"}
+    with srv.client() as c:
+        got = c.post("/completion", content=json.dumps({"prompt": "hello", "n_predict": 2}), headers=form)
+        assert got.status_code == 200 and got.json()["tokens_predicted"] == 2
+        bad = c.post("/completion", content="prompt=hello", headers=form)
+        assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]

@@ -5,6 +5,7 @@ streamed chunk, with llama.cpp's arithmetic (the generation rate over n - 1 step
 prompt time). On `/completion`, `/v1/chat/completions`, `/v1/completions` and `/v1/responses`; without the
 fields nothing of it is sent; several choices are a 400 naming the field."""
 
+import itertools
 import json
 import math
 
@@ -38,7 +39,7 @@ def _check_progress(progress: list[dict], total: int) -> None:
     assert first["processed"] == first["cache"] and first["time_ms"] >= 0
     assert last["processed"] == last["total"] == total
     assert len(progress) == 1 + math.ceil((total - first["cache"]) / CHUNK)
-    for a, b in zip(progress, progress[1:]):
+    for a, b in itertools.pairwise(progress):
         assert b["total"] == total and b["cache"] == first["cache"]
         assert 0 < b["processed"] - a["processed"] <= CHUNK and b["time_ms"] >= a["time_ms"]
 

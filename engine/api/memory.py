@@ -104,3 +104,18 @@ def malloc_trim() -> bool:
     fn.argtypes, fn.restype = [ctypes.c_size_t], ctypes.c_int
     fn(0)
     return True
+
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
+
+
+def mmap_threshold(nbytes: int) -> bool:
+    """Serve every malloc of `nbytes` or more by its own mmap, unmapped when freed (glibc
+    `mallopt(M_MMAP_THRESHOLD)`; a fixed threshold also ends glibc's dynamic one, which rises to the largest
+    chunk freed so far, up to 32 MiB, and then keeps such chunks in the arenas); False where the C library
+    has no `mallopt`."""
+    fn = getattr(_libc(), "mallopt", None)
+    if fn is None:
+        return False
+    fn.argtypes, fn.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(fn(M_MMAP_THRESHOLD, int(nbytes)))

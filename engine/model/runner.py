@@ -166,6 +166,7 @@ class ModelRunner:
         left float (the embedding, when not tied to the head).
         The heap the load freed on the way goes back to the OS at the end (engine/model/heap.py).
         """
+        heap.cap()  # big transient tensors mapped and unmapped, not kept in malloc's arenas (engine/model/heap.py)
         runner = cls._load(path, dtype, attn_implementation, device, quantize, **kwargs)
         heap.trim()
         return runner

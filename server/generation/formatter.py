@@ -170,6 +170,7 @@ class Formatter:
         self.vllm_lps: dict[int, list] = {}  # prompt index -> vLLM-shaped prompt_logprobs
         self.telemetry: Telemetry | None = None  # llama.cpp's timings/prompt_progress, when the request asked
         self.progress: dict | None = None  # the `prompt_progress` the last output carried (telemetry on)
+        self.verbose_prompt: str | None = None  # llama.cpp's `verbose`: the prompt's text, for `__verbose`
         self.states = {
             (k, i): ChoiceState(index=k * n + i, prompt_index=k, prefix=(prefixes or [""] * len(run.prompts))[k])
             for k in range(len(run.prompts)) for i in range(n)

@@ -21,6 +21,7 @@ from server.generation import driver
 from server.generation.formatter import Formatter, usage_chunk
 from server.generation.run import GenerationRun
 from server.generation.sse import DONE, SSEResponse
+from server.generation.telemetry import verbose_of
 from server.state import ServerContext
 
 log = logging.getLogger("cellserve.server")
@@ -42,6 +43,10 @@ async def serve(request: Request, ctx: ServerContext, run: GenerationRun, fmt: F
     if failed:
         raise APIError(500, f"generation failed: {failed[0].error or 'engine error'}", code="engine_error")
     body = fmt.final()
+    if fmt.verbose_prompt is not None:
+        first = fmt.ordered()[0]
+        body["__verbose"] = verbose_of(fmt.verbose_prompt, first.text, run.prompt_tokens(), len(first.token_ids),
+                                       sum(fmt.cached.values()))
     return JSONResponse(fmt.telemetry.stamp(body, final=True) if fmt.telemetry else body, headers=headers)
 
 

@@ -27,6 +27,7 @@ class TelemetryFields(StrictModel):
 
     timings_per_token: bool = False  # `timings` in each streamed chunk
     return_progress: bool = False  # stream `prompt_progress` while the prompt is prefilled
+    verbose: bool = False  # `__verbose` in a JSON answer: the prompt as text, llama.cpp's counts (`verbose_of`)
 
     def wants_progress(self) -> bool:
         """Progress is streamed only (llama-server: `stream && return_progress`)."""
@@ -93,3 +94,10 @@ class Telemetry:
         if self.per_token or final:
             payload["timings"] = self.timings()
         return payload
+
+
+def verbose_of(prompt_text: str, content: str, prompt_len: int, n_tokens: int, cached: int) -> dict:
+    """llama-server's `__verbose` debugging object of a JSON answer (its native fields, so a client sees what
+    the model was given): the prompt as text, the generated text and the token counts."""
+    return {"prompt": prompt_text, "content": content, "stop": True, "tokens_evaluated": prompt_len,
+            "tokens_predicted": n_tokens, "tokens_cached": cached}

@@ -44,6 +44,7 @@ async def completions(body: CompletionRequest, request: Request) -> Response:
                     prefixes=prefixes, vllm_prompt_logprobs=body.prompt_logprobs,
                     include_stop_str=body.include_stop_str_in_output)
     fmt.telemetry = telemetry(body, prompts)
+    fmt.verbose_prompt = await ctx.tokens.decode(prompts[0]) if body.verbose and not body.stream else None
     return await serve(request, ctx, run, fmt, stream=body.stream)
 
 
@@ -73,6 +74,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request) -> Res
                         parallel_tool_calls=body.parallel_tool_calls, reasoning=reasoning, reasoning_starts=starts,
                         include_stop_str=body.include_stop_str_in_output)
     out.telemetry = telemetry(body, [prompt])
+    out.verbose_prompt = await ctx.tokens.decode(prompt) if body.verbose and not body.stream else None
     return await serve(request, ctx, run, out, stream=body.stream)
 
 
@@ -89,6 +91,9 @@ async def chat_input_tokens(body: ChatCompletionRequest, request: Request) -> di
 def telemetry(body: CompletionRequest | ChatCompletionRequest, prompts: list[list[int]]) -> Telemetry | None:
     """llama.cpp's timings/progress for a request that asked; one prompt and one choice only (a 400 otherwise:
     llama-server's requests have one, and per-choice telemetry has no shape)."""
+    if body.verbose and body.stream:
+        raise APIError(400, "verbose (llama.cpp's __verbose) is served on JSON answers, not streams; drop it or "
+                       "stream without it", param="verbose")
     if not body.wants_telemetry():
         return None
     if len(prompts) > 1 or body.n > 1:

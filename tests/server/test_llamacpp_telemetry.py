@@ -125,3 +125,16 @@ def test_several_choices_are_refused_naming_the_field(srv):
         r = c.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}], "n": 2,
                                                  "max_tokens": 2, "stream": True, "return_progress": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "return_progress"
+
+
+def test_verbose_adds_the_prompt_text_and_counts(srv):
+    body = {"messages": [{"role": "system", "content": "Book"}, {"role": "user", "content": "hi"}], "max_tokens": 2}
+    with srv.client() as c:
+        got = c.post("/chat/completions", json={**body, "verbose": True}).json()
+        plain = c.post("/chat/completions", json=body).json()
+        streamed = c.post("/chat/completions", json={**body, "verbose": True, "stream": True})
+    v = got["__verbose"]
+    assert "Book" in v["prompt"] and v["content"] == got["choices"][0]["message"]["content"]
+    assert v["tokens_evaluated"] == got["usage"]["prompt_tokens"] and v["tokens_predicted"] == 2
+    assert "__verbose" not in plain
+    assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "verbose"

@@ -65,10 +65,12 @@ class Dims:
 
 @dataclass
 class Group:
-    """One fused linear's update: A stacked `[R, in]`, B block-diagonal `[out, R]` with the scale folded in."""
+    """One fused linear's update: A stacked `[R, in]`, B block-diagonal `[out, R]` with the scale folded in;
+    `parts`: per projection of the group, (its output rows of B, end; its columns of B = its rows of A, end)."""
 
     a: torch.Tensor
     b: torch.Tensor
+    parts: tuple = ()
 
 
 class Adapter:
@@ -109,14 +111,16 @@ def _group(mods: dict, names: tuple[str, ...], dims: Dims, dtype: torch.dtype) -
     a = torch.cat([mods[n][0] for n in present])
     widths = [dims.shapes[n][1] for n in names]
     b = torch.zeros(sum(widths), a.shape[0])
-    row, col = 0, 0
+    row, col, parts = 0, 0, []
     for name, width in zip(names, widths):
+        rank = 0
         if name in mods:
             _, bn, scale = mods[name]
-            b[row:row + width, col:col + bn.shape[1]] = bn * scale
-            col += bn.shape[1]
-        row += width
-    return Group(a.to(dtype).contiguous(), b.to(dtype).contiguous())
+            rank = bn.shape[1]
+            b[row:row + width, col:col + rank] = bn * scale
+        parts.append((row, row + width, col, col + rank))
+        row, col = row + width, col + rank
+    return Group(a.to(dtype).contiguous(), b.to(dtype).contiguous(), tuple(parts))
 
 
 @dataclass

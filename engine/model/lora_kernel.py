@@ -30,12 +30,16 @@ def usable(dtype: torch.dtype, n_rows: int) -> bool:
 
 @dataclass
 class Plain:
-    """The step's adapters' weights of one fused linear as the kernel reads them: `a` their A stacked
-    `[sum R, in]`, `bt` their B (scale folded in) transposed and stacked `[sum R, out]` (gate|up: gate's columns
-    then up's); `spans[j]`: segment j's columns (absent: it does not target this linear); `key`: which spans."""
+    """The step's adapters' weights of one fused linear as the kernel reads them, projection by projection
+    (q|k|v: three parts, gate|up: two, else one): `a` their A stacked part by part `[sum R, in]`; `bt` each
+    part's B (scale folded in) transposed, `[R_p, W_p]` blocks one after the other, flat (no zeros: a fused
+    group's B is block-diagonal, a third of an adapter's bytes at r 16 on SmolLM2, never read); `parts`
+    `[P, 3]`: each part's first row of `a` and its output columns; `spans[j]`: segment j's rows of `a` per part
+    (absent: it does not target this linear); `key`: which spans."""
 
     a: torch.Tensor
     bt: torch.Tensor
+    parts: torch.Tensor
     spans: dict
     key: tuple
 
@@ -63,7 +67,8 @@ class KernelStep:
         """`out` (the linear's output for `x`) with each adapter row's update added in place."""
         p = self.plain(layer, group)
         if p is not None:
-            torch.ops.cellserve.lora_update(x, out, None, self.rows, self._ranges(p), self.scale, p.a, p.bt, "add")
+            torch.ops.cellserve.lora_update(x, out, None, self.rows, self._ranges(p), self.scale, p.a, p.bt, p.parts,
+                                            "add")
         return out
 
     def glu(self, layer: int, h: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, act: str) -> torch.Tensor:
@@ -71,23 +76,30 @@ class KernelStep:
         written into `gate`, which is returned); `act`: "silu", else GELU (tanh)."""
         p = self.plain(layer, "gate_up")
         op = "swiglu" if act == "silu" else "geglu"
-        torch.ops.cellserve.lora_update(h, gate, up, self.rows, self._ranges(p), self.scale, p.a, p.bt, op)
+        torch.ops.cellserve.lora_update(h, gate, up, self.rows, self._ranges(p), self.scale, p.a, p.bt, p.parts, op)
         return gate
 
     def _ranges(self, p: Plain) -> torch.Tensor:
-        """`[rows, 2]`: each adapter row's columns of `p` (empty where its adapter does not target it)."""
+        """`[rows, P, 2]`: each adapter row's rows of `p.a` per part (empty where its adapter does not target it)."""
         r = self.ranges.get(p.key)
         if r is None:
-            spans = [p.spans.get(j, (0, 0)) for j in range(len(self.segments))]
+            none = ((0, 0),) * p.parts.shape[0]
+            spans = [p.spans.get(j, none) for j in range(len(self.segments))]
             r = self.ranges[p.key] = torch.tensor(spans, dtype=torch.int64)[self.seg].contiguous()
         return r
 
 
 def _plain(groups: list, present: list[int]) -> Plain:
-    spans, col = {}, 0
-    for j, g in zip(present, groups):
-        spans[j] = (col, col + g.a.shape[0])
-        col += g.a.shape[0]
-    a = torch.cat([g.a for g in groups]).contiguous()
-    bt = torch.cat([g.b for g in groups], 1).t().contiguous()
-    return Plain(a, bt, spans, tuple(spans.items()))
+    """`groups` (one per segment in `present`, each a `Group` of the same fused linear) laid out part by part."""
+    a, bt, parts, spans, row = [], [], [], {j: [] for j in present}, 0
+    for p, (o0, o1, _, _) in enumerate(groups[0].parts):
+        parts.append((row, o0, o1))
+        for j, g in zip(present, groups):
+            _, _, c0, c1 = g.parts[p]
+            a.append(g.a[c0:c1])
+            bt.append(g.b[o0:o1, c0:c1].t().reshape(-1))
+            spans[j].append((row, row + c1 - c0))
+            row += c1 - c0
+    spans = {j: tuple(s) for j, s in spans.items()}
+    return Plain(torch.cat(a).contiguous(), torch.cat(bt).contiguous(), torch.tensor(parts, dtype=torch.int64),
+                 spans, tuple(spans.items()))

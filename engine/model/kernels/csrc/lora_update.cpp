@@ -3,12 +3,15 @@
 // A decode step of a few rows over several adapters costs, per linear and in torch ops, a shrink, a mask, an
 // expand and an add: each a dispatch, an allocation and a parallel region, which at decode sizes outweigh the
 // arithmetic (r 16 on a 576-wide model: ~0.2 MFLOP a linear). Here the step's adapters' A are stacked
-// `a [R, K]` and their B transposed side by side `bt [R, W]`; adapter row m (input row rows[m]) owns columns
-// [ranges[m][0], ranges[m][1]) of both (empty: no update for that linear):
+// `a [R, K]`, part by part: a fused linear's output is cut in parts (q|k|v: three, gate|up: two, else one);
+// part p owns output columns [parts[p][1], parts[p][2]) and A's rows [parts[p][0], next part's start); its B,
+// transposed, is the dense block `[R_p, W_p]` at the part's offset of `bt` (1-D: the parts' blocks one after
+// the other, no zeros between a projection's rank and another projection's columns). Adapter row m (input row
+// rows[m]) owns A's rows [ranges[m][p][0], ranges[m][p][1]) of part p (empty: no update there):
 //   t[m, c]  = scale[m] * x[rows[m]] . a[c]                       (the shrink, fp32)
-//   op "add"     out[rows[m]] += t[m] @ bt                        (in place)
-//   op "swiglu"  out[i] = silu(out[i] + d_gate[i]) * (up[i] + d_up[i])   for every row i of out, d = t @ bt with
-//   op "geglu"   gelu_tanh instead of silu                          bt's first W/2 columns the gate's, the rest up's
+//   op "add"     out[rows[m], j] += t[m] . bt_p[:, j]   for j in part p     (in place)
+//   op "swiglu"  out[i] = silu(out[i] + d_gate[i]) * (up[i] + d_up[i])   for every row i of out, with two
+//   op "geglu"   gelu_tanh instead of silu                  parts, the gate's columns [0, W) then up's [W, 2W)
 //                (rows without an adapter take no update; written into `out`, the gate's pre-activation)
 // Sums are fp32 and each output is rounded once to the tensors' dtype (float32 or bfloat16).
 #include <ATen/ATen.h>
@@ -63,24 +66,29 @@ inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> fp32: the 16 bits mov
 }
 #endif
 
-// acc[0..n) = sum over c of t[c] * bt[c * w + j] for columns j in [j0, j0 + n): the expand of one row
-// (16 columns at a time, their sum kept in a register over the row's columns c).
+// acc[0..n) = sum over c < nc of t[c] * b[c * w + j] for j in [0, n): the expand of one row over one part's
+// columns (`b`: the part's block at the first column wanted; 16 columns at a time, their sum kept in a register).
 template <typename T>
-inline void expand(const float* t, const T* bt, int64_t c0, int64_t c1, int64_t w, int64_t j0, int64_t n, float* acc) {
+inline void expand(const float* t, const T* b, int64_t nc, int64_t w, int64_t n, float* acc) {
   int64_t j = 0;
 #if defined(__AVX512F__)
   for (; j + 16 <= n; j += 16) {
     __m512 sum = _mm512_setzero_ps();
-    for (int64_t c = c0; c < c1; ++c) sum = _mm512_fmadd_ps(_mm512_set1_ps(t[c]), load16(bt + c * w + j0 + j), sum);
+    for (int64_t c = 0; c < nc; ++c) sum = _mm512_fmadd_ps(_mm512_set1_ps(t[c]), load16(b + c * w + j), sum);
     _mm512_storeu_ps(acc + j, sum);
   }
 #endif
   for (; j < n; ++j) {
     float sum = 0.f;
-    for (int64_t c = c0; c < c1; ++c) sum += t[c] * to_f(bt[c * w + j0 + j]);
+    for (int64_t c = 0; c < nc; ++c) sum += t[c] * to_f(b[c * w + j]);
     acc[j] = sum;
   }
 }
+
+// One part of the fused output: A's rows from `r0`, output columns [w0, w1), its B block at `off` in bt.
+struct Part {
+  int64_t r0, w0, w1, off;
+};
 
 inline float act(float v, bool gelu) {
   if (!gelu) return v / (1.f + std::exp(-v));
@@ -105,8 +113,9 @@ void split(int64_t n, int64_t grain, int64_t work, const F& f) {
 
 template <typename T>
 void run(const at::Tensor& x, at::Tensor& out, const at::Tensor* up, const int64_t* rows, const int64_t* ranges,
-         const float* scale, int64_t n, const at::Tensor& a, const at::Tensor& bt, const std::string& op) {
-  const int64_t k = x.size(1), r = a.size(0), w = bt.size(1), xs = x.stride(0), os = out.stride(0);
+         const float* scale, int64_t n, const at::Tensor& a, const at::Tensor& bt, const std::vector<Part>& parts,
+         const std::string& op) {
+  const int64_t k = x.size(1), r = a.size(0), xs = x.stride(0), os = out.stride(0), np = parts.size();
   const T* xp = x.data_ptr<T>();
   const T* ap = a.data_ptr<T>();
   const T* bp = bt.data_ptr<T>();
@@ -114,23 +123,40 @@ void run(const at::Tensor& x, at::Tensor& out, const at::Tensor* up, const int64
   // the shrink: one task per (adapter row, column) pair
   std::vector<float> t(n * r, 0.f);
   std::vector<int64_t> pairs;
+  int64_t expand_work = 0;
   for (int64_t m = 0; m < n; ++m)
-    for (int64_t c = ranges[2 * m]; c < ranges[2 * m + 1]; ++c) pairs.push_back(m * r + c);
-  const int64_t shrink = static_cast<int64_t>(pairs.size()) * k, expand_work = static_cast<int64_t>(pairs.size()) * w;
+    for (int64_t p = 0; p < np; ++p) {
+      const int64_t* rg = ranges + 2 * (m * np + p);
+      for (int64_t c = rg[0]; c < rg[1]; ++c) pairs.push_back(m * r + c);
+      expand_work += (rg[1] - rg[0]) * (parts[p].w1 - parts[p].w0);
+    }
+  const int64_t shrink = static_cast<int64_t>(pairs.size()) * k;
   split(static_cast<int64_t>(pairs.size()), 16, shrink, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const int64_t m = pairs[p] / r, c = pairs[p] % r;
-      t[pairs[p]] = scale[m] * dot(xp + rows[m] * xs, ap + c * k, k);
+    for (int64_t q = p0; q < p1; ++q) {
+      const int64_t m = pairs[q] / r, c = pairs[q] % r;
+      t[pairs[q]] = scale[m] * dot(xp + rows[m] * xs, ap + c * k, k);
     }
   });
+  // row m's update of part p over the part's columns [j0, j0 + len) into acc
+  auto delta = [&](int64_t m, int64_t p, int64_t j0, int64_t len, float* acc) {
+    const Part& pt = parts[p];
+    const int64_t* rg = ranges + 2 * (m * np + p);
+    const int64_t w = pt.w1 - pt.w0;
+    expand(t.data() + m * r + rg[0], bp + pt.off + (rg[0] - pt.r0) * w + (j0 - pt.w0), rg[1] - rg[0], w, len, acc);
+  };
   if (op == "add") {
-    split((w + kChunk - 1) / kChunk, 1, expand_work, [&](int64_t b0, int64_t b1) {
+    std::vector<std::pair<int64_t, int64_t>> blocks;  // (part, first column): no block straddles two parts
+    for (int64_t p = 0; p < np; ++p)
+      for (int64_t j0 = parts[p].w0; j0 < parts[p].w1; j0 += kChunk) blocks.emplace_back(p, j0);
+    split(static_cast<int64_t>(blocks.size()), 1, expand_work, [&](int64_t b0, int64_t b1) {
       float acc[kChunk];
       for (int64_t blk = b0; blk < b1; ++blk) {
-        const int64_t j0 = blk * kChunk, len = std::min(kChunk, w - j0);
+        const auto [p, j0] = blocks[blk];
+        const int64_t len = std::min(kChunk, parts[p].w1 - j0);
         for (int64_t m = 0; m < n; ++m) {
-          if (ranges[2 * m] == ranges[2 * m + 1]) continue;
-          expand(t.data() + m * r, bp, ranges[2 * m], ranges[2 * m + 1], w, j0, len, acc);
+          const int64_t* rg = ranges + 2 * (m * np + p);
+          if (rg[0] == rg[1]) continue;
+          delta(m, p, j0, len, acc);
           T* o = op_ + rows[m] * os + j0;
           for (int64_t j = 0; j < len; ++j) o[j] = static_cast<T>(to_f(o[j]) + acc[j]);
         }
@@ -139,22 +165,20 @@ void run(const at::Tensor& x, at::Tensor& out, const at::Tensor* up, const int64
     return;
   }
   const bool gelu = op == "geglu";
-  const int64_t half = w / 2, total = out.size(0), us = up->stride(0);
+  const int64_t half = out.size(1), total = out.size(0), us = up->stride(0);
   const T* upp = up->data_ptr<T>();
   std::vector<int64_t> pos(total, -1);  // each output row's adapter row, or -1
-  for (int64_t m = 0; m < n; ++m)
-    if (ranges[2 * m] < ranges[2 * m + 1]) pos[rows[m]] = m;
+  for (int64_t m = 0; m < n; ++m) pos[rows[m]] = m;
   split((half + kChunk - 1) / kChunk, 1, expand_work + total * half, [&](int64_t b0, int64_t b1) {
     float dg[kChunk], du[kChunk];
     for (int64_t blk = b0; blk < b1; ++blk) {
       const int64_t j0 = blk * kChunk, len = std::min(kChunk, half - j0);
       for (int64_t i = 0; i < total; ++i) {
         const int64_t m = pos[i];
+        for (int64_t j = 0; j < len; ++j) dg[j] = du[j] = 0.f;
         if (m >= 0) {
-          expand(t.data() + m * r, bp, ranges[2 * m], ranges[2 * m + 1], w, j0, len, dg);
-          expand(t.data() + m * r, bp, ranges[2 * m], ranges[2 * m + 1], w, half + j0, len, du);
-        } else {
-          for (int64_t j = 0; j < len; ++j) dg[j] = du[j] = 0.f;
+          if (ranges[4 * m] < ranges[4 * m + 1]) delta(m, 0, j0, len, dg);
+          if (ranges[4 * m + 2] < ranges[4 * m + 3]) delta(m, 1, half + j0, len, du);
         }
         T* g = op_ + i * os + j0;
         const T* u = upp + i * us + j0;
@@ -166,7 +190,7 @@ void run(const at::Tensor& x, at::Tensor& out, const at::Tensor* up, const int64
 
 void lora_update(const at::Tensor& x, at::Tensor& out, const std::optional<at::Tensor>& up, const at::Tensor& rows,
                  const at::Tensor& ranges, const at::Tensor& scale, const at::Tensor& a, const at::Tensor& bt,
-                 c10::string_view op_view) {
+                 const at::Tensor& parts_t, c10::string_view op_view) {
   const std::string op(op_view);
   const bool glu = op == "swiglu" || op == "geglu";
   TORCH_CHECK(op == "add" || glu, "lora_update: op must be add, swiglu or geglu, got ", op);
@@ -176,29 +200,50 @@ void lora_update(const at::Tensor& x, at::Tensor& out, const std::optional<at::T
               "lora_update: x and out must be [rows, features] tensors of one dtype with contiguous rows");
   TORCH_CHECK(a.dim() == 2 && a.is_contiguous() && a.scalar_type() == dtype && a.size(1) == x.size(1),
               "lora_update: a must be a contiguous [R, K] tensor of x's dtype and K");
-  TORCH_CHECK(bt.dim() == 2 && bt.is_contiguous() && bt.scalar_type() == dtype && bt.size(0) == a.size(0) &&
-                  bt.size(1) == out.size(1) * (glu ? 2 : 1),
-              "lora_update: bt must be a contiguous [R, W] tensor (W: out's width; swiglu/geglu: twice it)");
+  TORCH_CHECK(parts_t.dim() == 2 && parts_t.size(1) == 3 && parts_t.scalar_type() == at::kLong &&
+                  parts_t.is_contiguous() && parts_t.size(0) >= 1 && (!glu || parts_t.size(0) == 2),
+              "lora_update: parts must be an int64 [P, 3] tensor of (first row of a, first column, end column); "
+              "swiglu/geglu: two parts, the gate's then up's");
+  const int64_t np = parts_t.size(0), width = out.size(1) * (glu ? 2 : 1);
+  const int64_t* pp = parts_t.data_ptr<int64_t>();
+  std::vector<Part> parts(np);
+  int64_t off = 0;
+  for (int64_t p = 0; p < np; ++p) {
+    const int64_t r1 = p + 1 < np ? pp[3 * (p + 1)] : a.size(0);
+    parts[p] = Part{pp[3 * p], pp[3 * p + 1], pp[3 * p + 2], off};
+    TORCH_CHECK(pp[3 * p] >= 0 && pp[3 * p] <= r1 && 0 <= pp[3 * p + 1] && pp[3 * p + 1] <= pp[3 * p + 2] &&
+                    pp[3 * p + 2] <= width && (!glu || pp[3 * p + 2] - pp[3 * p + 1] == out.size(1)),
+                "lora_update: part ", p, " out of bounds (its rows of a, or its columns of out)");
+    off += (r1 - pp[3 * p]) * (pp[3 * p + 2] - pp[3 * p + 1]);
+  }
+  TORCH_CHECK(bt.is_contiguous() && bt.scalar_type() == dtype && bt.numel() == off,
+              "lora_update: bt must be a contiguous tensor of x's dtype holding each part's [R_p, W_p] block (", off,
+              " values), got ", bt.numel());
   const int64_t n = rows.numel();
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && ranges.scalar_type() == at::kLong &&
-                  ranges.is_contiguous() && ranges.numel() == 2 * n && scale.scalar_type() == at::kFloat &&
+                  ranges.is_contiguous() && ranges.numel() == 2 * n * np && scale.scalar_type() == at::kFloat &&
                   scale.is_contiguous() && scale.numel() == n,
-              "lora_update: rows int64 [n], ranges int64 [n, 2], scale float32 [n]");
+              "lora_update: rows int64 [n], ranges int64 [n, P, 2], scale float32 [n]");
   const int64_t* rp = rows.data_ptr<int64_t>();
   const int64_t* cp = ranges.data_ptr<int64_t>();
-  for (int64_t m = 0; m < n; ++m)
-    TORCH_CHECK(rp[m] >= 0 && rp[m] < x.size(0) && rp[m] < out.size(0) && cp[2 * m] >= 0 &&
-                    cp[2 * m] <= cp[2 * m + 1] && cp[2 * m + 1] <= a.size(0),
-                "lora_update: a row or column range out of bounds");
+  for (int64_t m = 0; m < n; ++m) {
+    TORCH_CHECK(rp[m] >= 0 && rp[m] < x.size(0) && rp[m] < out.size(0), "lora_update: a row out of bounds");
+    for (int64_t p = 0; p < np; ++p) {
+      const int64_t* rg = cp + 2 * (m * np + p);
+      const int64_t r1 = p + 1 < np ? pp[3 * (p + 1)] : a.size(0);
+      TORCH_CHECK(rg[0] == rg[1] || (pp[3 * p] <= rg[0] && rg[0] <= rg[1] && rg[1] <= r1),
+                  "lora_update: a row's range of a is not within its part's rows");
+    }
+  }
   if (glu) {
     TORCH_CHECK(up.has_value() && up->dim() == 2 && up->stride(1) == 1 && up->scalar_type() == dtype &&
                     up->sizes() == out.sizes(),
                 "lora_update: swiglu/geglu need `up` shaped as out (the gate)");
   }
   if (dtype == at::kFloat) {
-    run<float>(x, out, glu ? &*up : nullptr, rp, cp, scale.data_ptr<float>(), n, a, bt, op);
+    run<float>(x, out, glu ? &*up : nullptr, rp, cp, scale.data_ptr<float>(), n, a, bt, parts, op);
   } else {
-    run<c10::BFloat16>(x, out, glu ? &*up : nullptr, rp, cp, scale.data_ptr<float>(), n, a, bt, op);
+    run<c10::BFloat16>(x, out, glu ? &*up : nullptr, rp, cp, scale.data_ptr<float>(), n, a, bt, parts, op);
   }
 }
 
@@ -206,7 +251,7 @@ void lora_update(const at::Tensor& x, at::Tensor& out, const std::optional<at::T
 
 TORCH_LIBRARY_FRAGMENT(cellserve, m) {
   m.def("lora_update(Tensor x, Tensor(a!) out, Tensor? up, Tensor rows, Tensor ranges, Tensor scale, Tensor a, "
-        "Tensor bt, str op) -> ()");
+        "Tensor bt, Tensor parts, str op) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(cellserve, CPU, m) {

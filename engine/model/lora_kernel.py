@@ -20,6 +20,7 @@ import torch
 from engine.model.kernels import build as kernels
 
 KERNEL_ROWS = 64  # adapter rows of a step up to which the kernel runs (its shrink and expand are per row)
+PANEL = 64  # output columns per panel of `Plain.bt` (lora_update.cpp's kChunk)
 
 
 def usable(dtype: torch.dtype, n_rows: int) -> bool:
@@ -32,7 +33,8 @@ def usable(dtype: torch.dtype, n_rows: int) -> bool:
 class Plain:
     """The step's adapters' weights of one fused linear as the kernel reads them, projection by projection
     (q|k|v: three parts, gate|up: two, else one): `a` their A stacked part by part `[sum R, in]`; `bt` each
-    part's B (scale folded in) transposed, `[R_p, W_p]` blocks one after the other, flat (no zeros: a fused
+    part's B (scale folded in) transposed, `[R_p, W_p]`, in panels of PANEL columns `[W_p / PANEL, R_p, PANEL]`
+    (one contiguous read per task of the kernel), the parts one after the other, flat (no zeros: a fused
     group's B is block-diagonal, a third of an adapter's bytes at r 16 on SmolLM2, never read); `parts`
     `[P, 3]`: each part's first row of `a` and its output columns; `spans[j]`: segment j's rows of `a` per part
     (absent: it does not target this linear); `key`: which spans."""
@@ -94,12 +96,21 @@ def _plain(groups: list, present: list[int]) -> Plain:
     a, bt, parts, spans, row = [], [], [], {j: [] for j in present}, 0
     for p, (o0, o1, _, _) in enumerate(groups[0].parts):
         parts.append((row, o0, o1))
+        blocks = []
         for j, g in zip(present, groups):
             _, _, c0, c1 = g.parts[p]
             a.append(g.a[c0:c1])
-            bt.append(g.b[o0:o1, c0:c1].t().reshape(-1))
+            blocks.append(g.b[o0:o1, c0:c1].t())
             spans[j].append((row, row + c1 - c0))
             row += c1 - c0
+        bt.append(_panels(torch.cat(blocks)))
     spans = {j: tuple(s) for j, s in spans.items()}
     return Plain(torch.cat(a).contiguous(), torch.cat(bt).contiguous(), torch.tensor(parts, dtype=torch.int64),
                  spans, tuple(spans.items()))
+
+
+def _panels(bt: torch.Tensor) -> torch.Tensor:
+    """`bt` `[R, W]` as PANEL-column panels `[ceil(W / PANEL), R, PANEL]` (the last zero padded), flat."""
+    r, w = bt.shape
+    padded = torch.nn.functional.pad(bt, (0, -w % PANEL))
+    return padded.view(r, -1, PANEL).transpose(0, 1).reshape(-1)

@@ -5,8 +5,10 @@
 // arithmetic (r 16 on a 576-wide model: ~0.2 MFLOP a linear). Here the step's adapters' A are stacked
 // `a [R, K]`, part by part: a fused linear's output is cut in parts (q|k|v: three, gate|up: two, else one);
 // part p owns output columns [parts[p][1], parts[p][2]) and A's rows [parts[p][0], next part's start); its B,
-// transposed, is the dense block `[R_p, W_p]` at the part's offset of `bt` (1-D: the parts' blocks one after
-// the other, no zeros between a projection's rank and another projection's columns). Adapter row m (input row
+// transposed, is dense `[R_p, W_p]` (no zeros between a projection's rank and another projection's columns),
+// stored in panels of kChunk columns, `[ceil(W_p / kChunk), R_p, kChunk]` (the last zero padded), at the part's
+// offset of `bt` (1-D: the parts one after the other): a task's block of columns is one contiguous read, as
+// the base's packed panels are, not R_p strided pieces. Adapter row m (input row
 // rows[m]) owns A's rows [ranges[m][p][0], ranges[m][p][1]) of part p (empty: no update there):
 //   t[m, c]  = scale[m] * x[rows[m]] . a[c]                       (the shrink, fp32)
 //   op "add"     out[rows[m], j] += t[m] . bt_p[:, j]   for j in part p     (in place)
@@ -28,6 +30,8 @@
 #endif
 
 namespace {
+
+constexpr int64_t kChunk = 64;  // output columns per task of the expand, and per panel of bt
 
 inline float to_f(float v) { return v; }
 inline float to_f(c10::BFloat16 v) { return static_cast<float>(v); }
@@ -66,8 +70,8 @@ inline __m512 load16(const c10::BFloat16* p) {  // bf16 -> fp32: the 16 bits mov
 }
 #endif
 
-// acc[0..n) = sum over c < nc of t[c] * b[c * w + j] for j in [0, n): the expand of one row over one part's
-// columns (`b`: the part's block at the first column wanted; 16 columns at a time, their sum kept in a register).
+// acc[0..n) = sum over c < nc of t[c] * b[c * w + j] for j in [0, n): the expand of one row over one panel
+// (`b`: the row's first A row in it, `w`: its width; 16 columns at a time, their sum kept in a register).
 template <typename T>
 inline void expand(const float* t, const T* b, int64_t nc, int64_t w, int64_t n, float* acc) {
   int64_t j = 0;
@@ -95,7 +99,7 @@ inline float act(float v, bool gelu) {
   return 0.5f * v * (1.f + std::tanh(0.7978845608028654f * (v + 0.044715f * v * v * v)));
 }
 
-constexpr int64_t kChunk = 64;  // output columns per task of the expand
+
 // Multiply-adds below which a call runs on one thread (a parallel region's wake-up and barrier cost more).
 // A decode step's update (8 rows of r 16: ~0.1-0.4 M) is above it: streaming the adapters' weights (as many
 // bytes a step as 20% of SmolLM2-135M's) needs every core's share of the memory bandwidth, as the base's do.
@@ -141,8 +145,9 @@ void run(const at::Tensor& x, at::Tensor& out, const at::Tensor* up, const int64
   auto delta = [&](int64_t m, int64_t p, int64_t j0, int64_t len, float* acc) {
     const Part& pt = parts[p];
     const int64_t* rg = ranges + 2 * (m * np + p);
-    const int64_t w = pt.w1 - pt.w0;
-    expand(t.data() + m * r + rg[0], bp + pt.off + (rg[0] - pt.r0) * w + (j0 - pt.w0), rg[1] - rg[0], w, len, acc);
+    const int64_t rp = p + 1 < np ? parts[p + 1].r0 : r;  // the part's rows of a end there
+    const T* panel = bp + pt.off + (j0 - pt.w0) / kChunk * (rp - pt.r0) * kChunk;
+    expand(t.data() + m * r + rg[0], panel + (rg[0] - pt.r0) * kChunk, rg[1] - rg[0], kChunk, len, acc);
   };
   if (op == "add") {
     std::vector<std::pair<int64_t, int64_t>> blocks;  // (part, first column): no block straddles two parts
@@ -214,10 +219,10 @@ void lora_update(const at::Tensor& x, at::Tensor& out, const std::optional<at::T
     TORCH_CHECK(pp[3 * p] >= 0 && pp[3 * p] <= r1 && 0 <= pp[3 * p + 1] && pp[3 * p + 1] <= pp[3 * p + 2] &&
                     pp[3 * p + 2] <= width && (!glu || pp[3 * p + 2] - pp[3 * p + 1] == out.size(1)),
                 "lora_update: part ", p, " out of bounds (its rows of a, or its columns of out)");
-    off += (r1 - pp[3 * p]) * (pp[3 * p + 2] - pp[3 * p + 1]);
+    off += (r1 - pp[3 * p]) * ((pp[3 * p + 2] - pp[3 * p + 1] + kChunk - 1) / kChunk * kChunk);
   }
   TORCH_CHECK(bt.is_contiguous() && bt.scalar_type() == dtype && bt.numel() == off,
-              "lora_update: bt must be a contiguous tensor of x's dtype holding each part's [R_p, W_p] block (", off,
+              "lora_update: bt must be a contiguous tensor of x's dtype holding each part's panels (", off,
               " values), got ", bt.numel());
   const int64_t n = rows.numel();
   TORCH_CHECK(rows.scalar_type() == at::kLong && rows.is_contiguous() && ranges.scalar_type() == at::kLong &&

@@ -106,8 +106,11 @@ def plot_side_by_side(runs: list[str], path: str) -> None:
                     label=r["server"] if r["round"] == 0 else None)
         ax.set_xscale("log", base=2)
         title = Path(folder).name.removeprefix("sbs-")
-        if rss:  # peak RSS of each server's process tree in the first round
-            title += "\npeak RSS " + " / ".join(f"{k} {v / 1024:.1f} GB" for k, v in sorted(rss.items()))
+        if len(rss) == 2:  # peak RSS of each server's process tree in the first round
+            cs, ll = rss["cellserve"], rss["llama-server"]
+            title += f"\npeak RSS cellserve / llama-server\n{cs:,.0f} / {ll:,.0f} MB ({cs / ll:.2f}x)"
+        elif rss:
+            title += "\npeak RSS " + " / ".join(f"{k} {v:,.0f} MB" for k, v in sorted(rss.items()))
         ax.set_title(title, fontsize="small")
         ax.set_xlabel("streaming clients")
         ax.grid(True, alpha=0.3)

@@ -4,8 +4,8 @@ per-expert loop it replaced, in one process on the same load.
     python -m engine.bench.moe --gguf qwen3moe-q4_k_m.gguf [--sequences 1,8] [--threads 1] [--rounds 4] [--steps 4]
 
 Per sequence count: a `ModelRunner` over the file, 64-token prompts, then decode steps alternating the two paths
-(`moe.FUSED_ROWS` = 32: one call a layer for steps of up to 32 rows; 0: every step expert by expert), `--rounds`
-x `--steps` steps each; prints the best and median step. Both paths give the same tokens (bitwise the same
+(`moe.FUSED_ROWS` = 32: one call a layer for steps of up to 32 rows or `FUSED_PAIRS` pairs an expert; 0 and 0:
+every step expert by expert), `--rounds` x `--steps` steps each; prints the best and median step. Both paths give the same tokens (bitwise the same
 values: tests/engine/model/test_moe_kernel.py), so the sequences decode alike under either.
 """
 
@@ -40,15 +40,15 @@ def run(runner: ModelRunner, n: int, rounds: int, steps: int, first: int = 0) ->
             h.append(nxt[s])
         return dt
 
-    before = moe.FUSED_ROWS
+    before = moe.FUSED_ROWS, moe.FUSED_PAIRS
     try:
         for _ in range(rounds):
             for f in PATHS:
-                moe.FUSED_ROWS = f
+                moe.FUSED_ROWS, moe.FUSED_PAIRS = (f, before[1]) if f else (0, 0)
                 step()  # the first step after a switch: not timed
                 times[f] += [step() for _ in range(steps)]
     finally:
-        moe.FUSED_ROWS = before
+        moe.FUSED_ROWS, moe.FUSED_PAIRS = before
     return times
 
 

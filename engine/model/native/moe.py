@@ -11,7 +11,7 @@ expert: a GEMM for many rows, the one-row kernels at one row), and its weighted 
 read: a decode step streams the active parameters, not the file. Each row's sum runs over its experts in
 ascending expert id whatever the other rows are (as transformers' `index_add_` loop does), so a row
 computes as alone wherever the expert kernels do (engine/model/native/rows.py).
-K-quant experts at up to `FUSED_ROWS` rows take one `quant_moe` call instead (csrc/quant_experts.cpp: the same
+K-quant experts at up to `FUSED_ROWS` rows (or `FUSED_PAIRS` pairs an expert) take one `quant_moe` call instead (csrc/quant_experts.cpp: the same
 grouping in C++, every chosen expert on the row kernel, the weighted sum fused): bitwise the loop above over
 the row kernel, without its per-expert Python and kernel calls (a decode step of the Qwen3-30B-A3B-scaled file:
 1.46x; docs/performance.md).
@@ -38,6 +38,11 @@ from engine.model.native.rows import must_match_alone
 # `quant_moe` call, each expert's rows on the row kernel; more (prefill) expert by expert, where each expert's
 # rows take the GEMM or bf16 tiles (faster from ~12-16 rows an expert: engine/model/native/quant.py)
 FUSED_ROWS = 32
+# ... and so does a larger step whose (row, expert) pairs are at most this many an expert on average: a prompt's
+# prefill on a file of many experts (Qwen3-MoE Q4_K_M, 32 experts, top 4, 2 threads, 2026-12-08: a 64-token
+# prompt, 8 pairs an expert, 350-430 -> 223-267 ms; the per-expert loop's Python, index_select/index_add and
+# GEMM packing cost more than the row kernel loses on so few rows)
+FUSED_PAIRS = 10
 
 
 def is_moe(mlp) -> bool:
@@ -133,7 +138,7 @@ class FloatExperts:
     def linears(self) -> list:
         return [StackedWeight(self.gate_up), StackedWeight(self.down_w)]
 
-    def fused(self, rows: int) -> bool:
+    def fused(self, rows: int, top_k: int = 1) -> bool:
         return False
 
     def swiglu(self, e: int, x: torch.Tensor) -> torch.Tensor:
@@ -167,10 +172,11 @@ class QuantExperts:
             self.gate_up = [QuantLinear(_rows(gu, e * a, (e + 1) * a), parts=2) for e in range(self.count)]
             self.down_lin = [QuantLinear(_rows(dn, e * b, (e + 1) * b)) for e in range(self.count)]
 
-    def fused(self, rows: int) -> bool:
-        """Whether a step of `rows` rows runs on `quant_moe` (stacked K-quants, the kernels on, VNNI: where each
-        expert's linear would take the row kernel)."""
-        return (self.stacked is not None and rows <= FUSED_ROWS and self.gate_up[0].small
+    def fused(self, rows: int, top_k: int = 1) -> bool:
+        """Whether a step of `rows` rows, `top_k` experts a row, runs on `quant_moe` (stacked K-quants, the kernels
+        on, VNNI: where each expert's linear would take the row kernel, or its rows are few: `FUSED_PAIRS`)."""
+        few = rows <= FUSED_ROWS or rows * top_k <= FUSED_PAIRS * self.count
+        return (self.stacked is not None and few and self.gate_up[0].small
                 and hasattr(torch.ops.cellserve, "quant_moe") and _fast()[0])
 
     def moe(self, h: torch.Tensor, chosen: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -234,7 +240,7 @@ class MoeBlock:
     def __call__(self, h: torch.Tensor, residual: torch.Tensor | None = None) -> torch.Tensor:
         """The block's output [T, H] for normed hidden states `h` [T, H], plus `residual` when given (added
         last, as transformers adds it: `residual + sum of the experts`)."""
-        if self.experts.fused(h.shape[0]):
+        if self.experts.fused(h.shape[0], self.top_k):
             weights, chosen = top_experts(self.logits(h), self.top_k, self.norm_topk_prob)
             out = self.experts.moe(h, chosen, weights.to(h.dtype))
             return out if residual is None else residual + out

@@ -121,6 +121,19 @@ class NativeCompletionRequest(NativeSampling):
 
     prompt: str | list[int | str] = ""
 
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _json_prompt(cls, value):
+        """llama.cpp's JSON prompt `{"prompt_string": TEXT, "multimodal_data": [...]}`: its text (no media here)."""
+        if not isinstance(value, dict):
+            return value
+        if value.get("multimodal_data"):
+            raise ValueError("this server takes no images or audio (multimodal_data); send text only")
+        text = value.get("prompt_string")
+        if not isinstance(text, str) or set(value) - {"prompt_string", "multimodal_data"}:
+            raise ValueError('a JSON prompt is {"prompt_string": TEXT}')
+        return text
+
     @field_validator("prompt")
     @classmethod
     def _one_prompt(cls, value):

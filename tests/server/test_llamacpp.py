@@ -181,3 +181,12 @@ def test_curl_d_without_a_content_type_is_read_as_json(srv):
         assert got.status_code == 200 and got.json()["tokens_predicted"] == 2
         bad = c.post("/completion", content="prompt=hello", headers=form)
         assert bad.status_code == 400 and "JSON" in bad.json()["error"]["message"]
+
+
+def test_a_json_prompt_is_its_text_and_media_are_refused(srv):
+    with srv.client() as c:
+        want = c.post("/completion", json={"prompt": "hello", "n_predict": 3, "temperature": 0}).json()["content"]
+        got = c.post("/completion", json={"prompt": {"prompt_string": "hello"}, "n_predict": 3, "temperature": 0})
+        assert got.status_code == 200 and got.json()["content"] == want
+        media = c.post("/completion", json={"prompt": {"prompt_string": "x <__media__>", "multimodal_data": ["AAAA"]}})
+        assert media.status_code == 400 and "multimodal_data" in media.json()["error"]["message"]

@@ -31,6 +31,7 @@ from server.schema import ParamError, StrictModel
 REFUSED: dict[str, tuple] = {
     "background": (False,), "conversation": (), "prompt": (), "top_logprobs": (0,),
     "truncation": ("disabled",), "include": ([], ["reasoning.encrypted_content"]), "max_tool_calls": (), "stream_options": (),
+    "verbose": (False,),  # llama.cpp's __verbose is served on chat and completions only
 }
 TEXT_PART_TYPES = ("input_text", "output_text", "text")
 

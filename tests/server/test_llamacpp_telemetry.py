@@ -138,3 +138,11 @@ def test_verbose_adds_the_prompt_text_and_counts(srv):
     assert v["tokens_evaluated"] == got["usage"]["prompt_tokens"] and v["tokens_predicted"] == 2
     assert "__verbose" not in plain
     assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "verbose"
+
+
+def test_responses_refuse_verbose_they_would_not_apply(srv):
+    with srv.client() as c:
+        r = c.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "verbose": True})
+        ok = c.post("/v1/responses", json={"input": "hi", "max_output_tokens": 2, "verbose": False})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "verbose"
+    assert ok.status_code == 200
